@@ -1,0 +1,66 @@
+"""Finding image files on disk and decoding them to RGB."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+IMG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+
+
+def is_image_file(path: str | os.PathLike) -> bool:
+    return str(path).lower().endswith(IMG_EXTENSIONS)
+
+
+def list_images(folder: str | os.PathLike) -> list[str]:
+    """Every image below `folder`, nested folders included, in a stable (sorted) order."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames.sort()
+        found.extend(os.path.join(dirpath, f) for f in sorted(filenames) if is_image_file(f))
+    return found
+
+
+def find_classes(split_dir: Path) -> list[str]:
+    """Class names of an ImageFolder split: its sub-folders, sorted (torchvision semantics)."""
+    if not split_dir.is_dir():
+        raise FileNotFoundError(f"{split_dir} is not a folder; expected one sub-folder per class")
+    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise FileNotFoundError(f"{split_dir} has no class folders; expected {split_dir}/<class>/<image>.jpg")
+    return classes
+
+
+def scan_split(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
+    """(path, class index) for every image of `split_dir`; each class folder must hold at least one image."""
+    samples: list[tuple[str, int]] = []
+    for idx, name in enumerate(classes):
+        files = list_images(split_dir / name)
+        if not files:
+            raise FileNotFoundError(
+                f"class folder {split_dir / name} holds no images ({', '.join(IMG_EXTENSIONS)}); "
+                "add images or remove the folder"
+            )
+        samples.extend((f, idx) for f in files)
+    return samples
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Decode any supported file to an 8-bit RGB PIL image.
+
+    Grayscale, palette, RGBA, CMYK and 16-bit files are all converted; 16-bit data is rescaled,
+    not clipped (PIL's own convert("RGB") would saturate it to white).
+    """
+    with Image.open(path) as img:
+        img.load()
+        if img.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+            arr = np.asarray(img, dtype=np.float64)
+            peak = 255.0 if arr.max(initial=0) <= 255 else 65535.0
+            arr = np.clip(arr * (255.0 / peak), 0, 255).round().astype(np.uint8)
+            return Image.fromarray(arr, mode="L").convert("RGB")
+        if img.mode == "P" and "transparency" in img.info:
+            img = img.convert("RGBA")  # avoids PIL's palette-transparency warning
+        return img.convert("RGB")

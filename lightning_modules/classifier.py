@@ -1,0 +1,241 @@
+"""The LightningModule: fine-tunes a torchvision ResNet with the seed's head, and reports torchmetrics per split."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torchmetrics import MaxMetric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+from lightning_modules.network import HEAD_PREFIX, build_resnet
+
+
+class ImageClassifier(L.LightningModule):
+    """ResNet image classifier.
+
+    Args:
+        num_classes: number of classes; linked from the DataModule by the CLI.
+        class_names: names of the classes, index order; linked from the DataModule and saved in checkpoints.
+        arch: torchvision ResNet, resnet18/34/50/101/152 (or wide_resnet50_2/101_2).
+        weights: torchvision weights name (IMAGENET1K_V2, DEFAULT), a state-dict or checkpoint file, or null.
+        head_hidden: width of the hidden head layer (the seed's 1024); 0 gives a single linear layer.
+        dropout: dropout before the last layer of the head.
+        optimizer: ``sgd`` (momentum, nesterov) or ``adamw``.
+        lr: learning rate per 256 images; scaled by the global batch (world size x batch x accumulation).
+        lr_scaling: ``linear``, ``sqrt`` or ``none``: how lr follows the global batch size.
+        momentum: SGD momentum (AdamW: beta1).
+        nesterov: Nesterov momentum for SGD.
+        weight_decay: decoupled for AdamW, L2 for SGD; never applied to biases and normalisation weights.
+        warmup_epochs: linear warm-up length (fractions allowed); cosine decay to zero follows.
+        label_smoothing: cross-entropy label smoothing.
+        backbone_lr_ratio: backbone lr / head lr, e.g. 0.1 to fine-tune the pretrained layers gently.
+        freeze_backbone_epochs: keep the backbone frozen (no updates, BatchNorm statistics fixed) this many epochs.
+        batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
+        channels_last: NHWC memory format, faster convolutions with autocast on recent GPUs and CPUs.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        class_names: list[str] | None = None,
+        arch: str = "resnet50",
+        weights: str | None = None,
+        head_hidden: int = 1024,
+        dropout: float = 0.2,
+        optimizer: Literal["sgd", "adamw"] = "sgd",
+        lr: float = 0.1,
+        lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        weight_decay: float = 1e-4,
+        warmup_epochs: float = 1.0,
+        label_smoothing: float = 0.0,
+        backbone_lr_ratio: float = 1.0,
+        freeze_backbone_epochs: int = 0,
+        batch_size: int = 64,
+        channels_last: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
+                    label_smoothing, backbone_lr_ratio, freeze_backbone_epochs)
+        self.save_hyperparameters()
+        self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
+        self.net = build_resnet(arch, weights, head_hidden, dropout, num_classes)
+        if channels_last:
+            self.net = self.net.to(memory_format=torch.channels_last)
+
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_metrics = _split_metrics(num_classes, "val")
+        self.test_metrics = _split_metrics(num_classes, "test")
+        self.val_acc_best = MaxMetric()  # best-so-far val/acc, for dashboards and sweeps
+
+    # ---- forward and steps ----------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hparams.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.net(x)  # (B, 3, H, W) -> (B, num_classes) logits
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        self.train_acc(logits, y)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
+        return loss
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:
+        x, y = batch
+        logits = self(x)
+        metrics = self.val_metrics if prefix == "val" else self.test_metrics
+        metrics.update(logits, y)
+        # sync_dist: every rank logs the same global mean loss; accuracies sync inside torchmetrics.
+        self.log(f"{prefix}/loss", F.cross_entropy(logits, y), sync_dist=True, prog_bar=prefix == "val")
+        self.log_dict(metrics, prog_bar=prefix == "val")
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        self.val_acc_best(self.val_metrics["acc"].compute())
+        self.log("val/acc_best", self.val_acc_best.compute())
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        x, index = batch
+        probs = self(x).float().softmax(dim=1)  # (B, num_classes)
+        top = probs.topk(min(5, probs.shape[1]), dim=1)
+        label = top.indices[:, 0]
+        return {
+            "index": index.cpu(),  # position in the predict dataset, maps back to the file path
+            "label": label.cpu(),
+            "class_name": [self.class_names[i] for i in label.tolist()],
+            "confidence": top.values[:, 0].cpu(),
+            "top5_labels": top.indices.cpu(),
+            "top5_probs": top.values.cpu(),
+        }
+
+    # ---- fine-tuning: frozen backbone ----------------------------------------------------------------------
+    # A typed option rather than Lightning's BackboneFinetuning: that callback flips requires_grad and adds param
+    # groups mid-run, and DDP registers its gradient hooks once, at wrap time (a later-unfrozen parameter would
+    # never be all-reduced), while an added param group escapes the LR schedule. Here the backbone groups exist from
+    # the start and the schedule holds their LR at zero while frozen; BatchNorm statistics stay fixed too.
+
+    def backbone_frozen(self) -> bool:
+        trainer = self._trainer
+        return trainer is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if mode and self.backbone_frozen():
+            for name, module in self.net.named_modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm) and not name.startswith(HEAD_PREFIX):
+                    module.eval()
+        return self
+
+    def on_train_epoch_start(self) -> None:
+        self.train(self.training)  # re-apply the frozen-BatchNorm rule as epochs advance
+
+    # ---- optimisation ---------------------------------------------------------------------------------------
+
+    def lr_scale(self) -> float:
+        """Multiplier from `lr` (per 256 images) to the learning rate actually used."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        global_batch = world * self.hparams.batch_size * accumulate
+        return {"linear": global_batch / 256, "sqrt": math.sqrt(global_batch / 256), "none": 1.0}[
+            self.hparams.lr_scaling
+        ]
+
+    def param_groups(self) -> list[dict]:
+        """Four groups: (backbone | head) x (decay | no decay); biases and norm weights (ndim <= 1) never decay."""
+        hp = self.hparams
+        head_lr = hp.lr * self.lr_scale()
+        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+        for name, p in self.net.named_parameters():
+            groups.setdefault((name.startswith(HEAD_PREFIX), p.ndim > 1), []).append(p)
+        return [
+            {
+                "params": params,
+                "lr": head_lr if is_head else head_lr * hp.backbone_lr_ratio,
+                "weight_decay": hp.weight_decay if decays else 0.0,
+                "is_head": is_head,
+            }
+            for (is_head, decays), params in sorted(groups.items())
+        ]
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        groups = self.param_groups()
+        if hp.optimizer == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=hp.momentum, nesterov=hp.nesterov)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=(hp.momentum, 0.999))
+
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
+        steps_per_epoch = max(1, total // epochs)
+        warmup = int(hp.warmup_epochs * steps_per_epoch)
+        frozen = hp.freeze_backbone_epochs * steps_per_epoch
+
+        def schedule(step: int) -> float:  # warm-up, then cosine to zero; a pure function of the step
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        def backbone_schedule(step: int) -> float:
+            return 0.0 if step < frozen else schedule(step)
+
+        lambdas = [schedule if g["is_head"] else backbone_schedule for g in groups]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+        rank_zero_info(
+            f"lr {hp.lr:g} per 256 images x {self.lr_scale():.4g} ({hp.lr_scaling} scaling, global batch "
+            f"{self.trainer.world_size} x {hp.batch_size} x {self.trainer.accumulate_grad_batches}) = "
+            f"{groups[-1]['lr']:.4g} for the head; {total} steps, {warmup} of warm-up"
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _split_metrics(num_classes: int, prefix: str) -> MetricCollection:
+    metrics = {
+        "acc": MulticlassAccuracy(num_classes, average="micro"),
+        "f1_macro": MulticlassF1Score(num_classes, average="macro"),
+    }
+    if num_classes >= 5:
+        metrics["acc_top5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+    return MetricCollection(metrics, prefix=f"{prefix}/")
+
+
+def _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
+                label_smoothing, backbone_lr_ratio, freeze_backbone_epochs) -> None:
+    """Reject bad config values up front, naming the key."""
+    if num_classes is None or num_classes < 2:
+        raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"model.optimizer={optimizer!r} is unknown; choose sgd or adamw")
+    if lr_scaling not in ("linear", "sqrt", "none"):
+        raise ValueError(f"model.lr_scaling={lr_scaling!r} is unknown; choose linear, sqrt or none")
+    if not lr > 0:
+        raise ValueError(f"model.lr={lr} must be positive")
+    for key, value in (("weight_decay", weight_decay), ("warmup_epochs", warmup_epochs),
+                       ("freeze_backbone_epochs", freeze_backbone_epochs)):
+        if value < 0:
+            raise ValueError(f"model.{key}={value} must be >= 0")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"model.label_smoothing={label_smoothing} must be in [0, 1)")
+    if not 0.0 <= backbone_lr_ratio:
+        raise ValueError(f"model.backbone_lr_ratio={backbone_lr_ratio} must be >= 0")

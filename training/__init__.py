@@ -1,0 +1,1 @@
+"""The run layer: the imgcls command, callbacks, strategies and sweeps."""

@@ -1,0 +1,78 @@
+"""Callbacks of the run layer: saving the resolved config into the run directory, writing predictions."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.cli import SaveConfigCallback
+
+
+class RunConfig(SaveConfigCallback):
+    """Writes the resolved config to `<run dir>/config.yaml` (rank 0), so the run can be re-run from its folder,
+    and logs it to every logger as hyperparameters."""
+
+    def __init__(self, parser, config, **kwargs) -> None:
+        kwargs["save_to_log_dir"] = False  # the run directory, not the first logger's folder
+        super().__init__(parser, config, **kwargs)
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        run_dir = Path(trainer.default_root_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config, run_dir / self.config_filename, skip_none=False, overwrite=True,
+                         multifile=self.multifile)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": self.parser.dump(self.config, skip_none=False)})
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes `predictions.csv` (path, label, class name, confidence, top-5) at the end of `imgcls predict`.
+
+    Under DDP each rank writes its part; rank 0 merges the parts in dataset order and drops the duplicates that the
+    distributed sampler pads with.
+    """
+
+    def __init__(self, output_dir: str | None = None, filename: str = "predictions.csv") -> None:
+        super().__init__(write_interval="epoch")
+        self.output_dir = output_dir
+        self.filename = filename
+
+    def _out_dir(self, trainer: Trainer) -> Path:
+        return Path(self.output_dir or trainer.default_root_dir)
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
+        out = self._out_dir(trainer)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for batch in predictions:
+            for i in range(len(batch["index"])):
+                rows.append((
+                    int(batch["index"][i]),
+                    int(batch["label"][i]),
+                    batch["class_name"][i],
+                    float(batch["confidence"][i]),
+                    batch["top5_labels"][i].tolist(),
+                    batch["top5_probs"][i].tolist(),
+                ))
+        torch.save(rows, out / f".{self.filename}.rank{trainer.global_rank}")
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            merged: dict[int, tuple] = {}
+            for rank in range(trainer.world_size):
+                part = out / f".{self.filename}.rank{rank}"
+                merged.update((r[0], r) for r in torch.load(part, weights_only=True))
+                part.unlink()
+            paths = trainer.datamodule.predict_set.paths
+            names = pl_module.class_names
+            with open(out / self.filename, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["path", "label", "class_name", "confidence", "top5"])
+                for index in sorted(merged):
+                    _, label, name, conf, top_labels, top_probs = merged[index]
+                    top5 = " ".join(f"{names[c]}:{p:.4f}" for c, p in zip(top_labels, top_probs, strict=True))
+                    writer.writerow([paths[index], label, name, f"{conf:.6f}", top5])
+            print(f"wrote {len(merged)} predictions to {out / self.filename}")
+        trainer.strategy.barrier()

@@ -1,0 +1,102 @@
+"""The `imgcls` command: LightningCLI for ImageClassifier + ImageFolderDataModule, plus a few helper commands.
+
+    imgcls fit --config configs/quickstart.yaml
+    imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from argparse import RawDescriptionHelpFormatter
+from pathlib import Path
+
+from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+
+from datamodules import ImageFolderDataModule
+from lightning_modules import ImageClassifier
+from training.callbacks import RunConfig
+
+# Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
+EXTRA_COMMANDS = {
+    "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
+}
+
+
+class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
+    """Keeps the line breaks of the epilog that lists the extra commands."""
+
+
+class ImgclsCLI(LightningCLI):
+    """Registers the model and data, links what they share, and derives paths from the run directory.
+
+    `trainer.default_root_dir` is the run directory. Checkpoints go to `<run>/checkpoints` (unless a ModelCheckpoint
+    names a dirpath), loggers whose `save_dir` is "" write into `<run>`, and the resolved config is `<run>/config.yaml`.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The data knows its classes once it has listed the folders: nobody types the number of classes.
+        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+        parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+        parser.link_arguments("data.batch_size", "model.batch_size")  # for lr scaling by the global batch
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        run_dir = Path(config.trainer.default_root_dir or "runs/default")
+        config.trainer.default_root_dir = str(run_dir)
+        loggers = config.trainer.logger
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            init = getattr(logger, "init_args", None)
+            if init is not None and "save_dir" in init and init.save_dir in ("", None):
+                init.save_dir = str(run_dir)
+        for callback in config.trainer.callbacks or []:
+            if callback.class_path.endswith("ModelCheckpoint") and callback.init_args.dirpath is None:
+                callback.init_args.dirpath = str(run_dir / "checkpoints")
+
+    def after_fit(self) -> None:
+        """Validate the best checkpoint (prints the metric table), then say where everything is."""
+        trainer = self.trainer
+        ckpt = trainer.checkpoint_callback
+        if trainer.interrupted or not isinstance(ckpt, ModelCheckpoint):
+            return
+        if ckpt.best_model_path and Path(ckpt.best_model_path).is_file():
+            trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=ckpt.best_model_path, verbose=True)
+        run_dir = Path(trainer.default_root_dir)
+        lines = [
+            f"run directory   {run_dir}",
+            f"best checkpoint {ckpt.best_model_path or '-'} (val/acc {_fmt(ckpt.best_model_score)})",
+            f"last checkpoint {Path(ckpt.dirpath) / 'last.ckpt'}  (resume: add --ckpt_path last)",
+            f"resolved config {run_dir / 'config.yaml'}",
+        ]
+        for logger in trainer.loggers:
+            lines.append(f"{type(logger).__name__:<15} {logger.log_dir or logger.save_dir}")
+        lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {run_dir.parent})")
+        rank_zero_info("\n".join(lines))
+
+
+def _fmt(score) -> str:
+    return f"{float(score):.4f}" if score is not None else "-"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in EXTRA_COMMANDS:
+        importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:])
+        return
+    epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
+    ImgclsCLI(
+        ImageClassifier,
+        ImageFolderDataModule,
+        args=argv,  # None: LightningCLI reads sys.argv itself
+        save_config_callback=RunConfig,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
+        parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
+    )
+
+
+if __name__ == "__main__":
+    main()
