@@ -1,0 +1,23 @@
+"""Fixtures: the demo digits, built once per session into a temporary folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datamodules.demo import build_demo_data
+
+
+@pytest.fixture(scope="session")
+def digits_root(tmp_path_factory):
+    """The real demo dataset (1,797 digits as PNGs), at 32 px to keep CPU tests quick."""
+    return build_demo_data(tmp_path_factory.mktemp("digits") / "digits", size=32)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,64 @@
+"""Shared test utilities: running the real `imgcls` command in a subprocess, free ports, tiny image folders."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+# Shrinks any shipped config to seconds on a CPU: small network, small images, few batches, no rich widgets.
+TINY = [
+    "--model.arch", "resnet18", "--model.head_hidden", "32", "--data.image_size", "32",
+    "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
+    "--trainer.enable_model_summary", "false",
+]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment for a subprocess that imports this checkout (not another installed copy)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by every process of a test
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `imgcls ARGS...` as a user would; on failure the assertion shows the output."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.cli", *args], cwd=cwd or ROOT, env=env or cli_env(),
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if check:
+        assert proc.returncode == 0, f"imgcls {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1, for one multi-process run."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_image_folder(root: Path, classes: dict[str, int], *, splits=("train", "val"), size: int = 40,
+                      ext: str = ".png", seed: int = 0) -> Path:
+    """Write `count` random RGB images for each class of each split: root/split/class/i.ext."""
+    rng = np.random.default_rng(seed)
+    for split in splits:
+        for name, count in classes.items():
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:03d}{ext}")
+    return root
