@@ -81,21 +81,27 @@ def _fmt(score) -> str:
     return f"{float(score):.4f}" if score is not None else "-"
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in EXTRA_COMMANDS:
-        importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:])
-        return
+def cli_main(args: list[str] | None = None) -> ImgclsCLI:
+    """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
     epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
-    ImgclsCLI(
+    return ImgclsCLI(
         ImageClassifier,
         ImageFolderDataModule,
-        args=argv,  # None: LightningCLI reads sys.argv itself
+        args=args,
         save_config_callback=RunConfig,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
         parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `imgcls` console script."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in EXTRA_COMMANDS:
+        importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:])
+        return
+    cli_main(argv)  # None: LightningCLI reads sys.argv itself
 
 
 if __name__ == "__main__":
