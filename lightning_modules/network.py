@@ -57,13 +57,17 @@ def load_backbone_weights(net: nn.Module, arch: str, weights: str) -> None:
     else:
         state = _state_dict_from_torchvision(arch, weights)
     backbone = {k: v for k, v in state.items() if not k.startswith(HEAD_PREFIX)}
-    missing, unexpected = net.load_state_dict(backbone, strict=False)
-    missing = [k for k in missing if not k.startswith(HEAD_PREFIX)]
-    if missing or unexpected:
+    own = net.state_dict()
+    missing = [k for k in own if k not in backbone and not k.startswith(HEAD_PREFIX)]
+    unexpected = [k for k in backbone if k not in own]
+    wrong_shape = [k for k in backbone if k in own and backbone[k].shape != own[k].shape]
+    if missing or unexpected or wrong_shape:
         raise ValueError(
-            f"model.weights={weights} does not fit {arch}: {len(missing)} missing keys (e.g. {missing[:3]}), "
-            f"{len(unexpected)} unexpected keys (e.g. {unexpected[:3]}); is it a {arch} state dict?"
+            f"model.weights={weights} does not fit {arch}: {len(missing)} missing, {len(unexpected)} unexpected and "
+            f"{len(wrong_shape)} wrongly shaped tensors (e.g. {(missing + unexpected + wrong_shape)[:3]}); "
+            f"is it a {arch} state dict?"
         )
+    net.load_state_dict(backbone, strict=False)  # strict=False: only the head (fc.*) is left as initialised
 
 
 def _state_dict_from_file(path: Path) -> dict[str, torch.Tensor]:
