@@ -21,6 +21,15 @@ class RunConfig(SaveConfigCallback):
         kwargs["save_to_log_dir"] = False  # the run directory, not the first logger's folder
         super().__init__(parser, config, **kwargs)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning logs the model's and the DataModule's hyperparameters to every logger and stores them in each
+        # checkpoint: a password in any string value would leak there too, so those copies are masked as well.
+        for obj in (pl_module, trainer.datamodule):
+            for name in ("_hparams", "_hparams_initial"):
+                if isinstance(getattr(obj, name, None), dict):
+                    setattr(obj, name, type(getattr(obj, name))(_redact_values(getattr(obj, name))))
+        super().setup(trainer, pl_module, stage)
+
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         run_dir = Path(trainer.default_root_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -33,6 +42,16 @@ class RunConfig(SaveConfigCallback):
 # A password in a URL (postgresql://user:PASSWORD@host/db) and values of secret-looking environment variables.
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+):(?P<password>[^@\s/]+)@")
 _SECRET_ENV = re.compile(r"(API_KEY|TOKEN|PASSWORD|SECRET|ACCESS_KEY)$", re.IGNORECASE)
+
+
+def _redact_values(value):
+    if isinstance(value, str):
+        return redact_secrets(value)
+    if isinstance(value, dict):
+        return {k: _redact_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact_values(v) for v in value)
+    return value
 
 
 def redact_secrets(text: str) -> str:

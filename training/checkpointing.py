@@ -73,11 +73,14 @@ def safe_load(path, map_location: Any | None = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UnsafeCheckpointError(
-            f"refusing to load {path}: it holds pickled objects other than tensors and plain containers, which "
-            f"could run code when loaded ({first}); only load files from a source you trust"
-        ) from None
+        raise UnsafeCheckpointError(unsafe_message(path, err)) from None
+
+
+def unsafe_message(path, err: Exception) -> str:
+    # torch's own message is a page long; its last line names the offending global.
+    detail = [line.strip() for line in str(err).splitlines() if "Unsupported global" in line]
+    return (f"refusing to load {path}: it holds pickled objects other than tensors and plain containers, which could "
+            f"run code when loaded ({detail[0] if detail else type(err).__name__}); only use files from a trusted source")
 
 
 def _check_finite(state_dict: dict[str, Any], path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import sys
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
@@ -21,8 +22,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from training.callbacks import RunConfig
-from training.checkpointing import AtomicCheckpointIO, UnsafeCheckpointError, resolve_resume
-from training.faults import fault_callbacks
+from training.checkpointing import (
+    AtomicCheckpointIO,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+    resolve_resume,
+    unsafe_message,
+)
+from training.faults import NonFiniteLossError, fault_callbacks
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
@@ -31,7 +38,8 @@ EXTRA_COMMANDS = {
 
 
 # Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError)
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError, NonFiniteLossError,
+               CheckpointWriteError)
 _PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
                                                                              "training"))
 
@@ -55,6 +63,22 @@ class ImgclsCLI(LightningCLI):
         parser.add_argument("--auto_resume", type=bool, default=False,
                             help="fit: resume from the newest intact checkpoint of the run directory, if any")
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the model hyperparameters of --ckpt_path here, before any other hook: so this is where
+        # `last`, auto_resume and a broken checkpoint are resolved to an intact file.
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else None
+        if subcommand == "fit":
+            run_dir = Path(config.trainer.default_root_dir or "runs/default")
+            dirs = [c.init_args.dirpath for c in config.trainer.callbacks or []
+                    if c.class_path.endswith("ModelCheckpoint") and c.init_args.dirpath]
+            ckpt_dir = Path(dirs[0]) if dirs else run_dir / "checkpoints"
+            config.ckpt_path = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)
+        try:
+            super()._parse_ckpt_path()
+        except pickle.UnpicklingError as err:  # LightningCLI loads it with weights_only=True
+            raise UnsafeCheckpointError(unsafe_message(config.ckpt_path, err)) from None
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         run_dir = Path(config.trainer.default_root_dir or "runs/default")
@@ -67,10 +91,6 @@ class ImgclsCLI(LightningCLI):
         for callback in config.trainer.callbacks or []:
             if callback.class_path.endswith("ModelCheckpoint") and callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
-        if self.subcommand == "fit":
-            dirs = [c.init_args.dirpath for c in config.trainer.callbacks or [] if c.class_path.endswith("ModelCheckpoint")]
-            ckpt_dir = Path(dirs[0]) if dirs else run_dir / "checkpoints"
-            config.ckpt_path = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own

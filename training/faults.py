@@ -44,9 +44,17 @@ class ExactResume(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         fit_loop = trainer.fit_loop
-        if fit_loop.restarting and fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher is not None:
-            fit_loop._load_combined_loader_states()
-            iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
+        if not (fit_loop.restarting and fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher):
+            return
+        fit_loop._load_combined_loader_states()
+        if fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # Saved after an epoch's last batch: the restored iterator is spent. Running it out advances the sampler
+            # to the next epoch's order, which the next iterator follows (Lightning continues with it directly).
+            for loader in fit_loop._combined_loader.flattened:
+                if hasattr(loader, "load_state_dict"):
+                    for _ in loader:
+                        pass
+        iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         step_seed = (self._base * 1_000_003 + trainer.global_step) * 1_009 + trainer.global_rank
