@@ -77,9 +77,12 @@ def test_truncated_last_checkpoint_falls_back_to_newest_intact(tmp_path, capsys)
     with pytest.warns(UserWarning, match=f"checkpoint {last} is unusable: truncated"):
         found = resolve_resume("last", tmp_path, auto_resume=False)
     assert found == str(tmp_path / "step0000004.ckpt")
+    assert not last.exists() and (tmp_path / "last.ckpt.corrupt").is_file()  # moved aside, kept for inspection
     # An explicit broken path falls back too; auto_resume with no checkpoint folder starts from scratch.
-    with pytest.warns(UserWarning):
-        assert resolve_resume(str(last), tmp_path, auto_resume=False) == str(tmp_path / "step0000004.ckpt")
+    broken = tmp_path / "step0000006.ckpt"
+    broken.write_bytes(b"PK\x03\x04")
+    with pytest.warns(UserWarning, match=f"checkpoint {broken} is unusable"):
+        assert resolve_resume(str(broken), tmp_path, auto_resume=False) == str(tmp_path / "step0000004.ckpt")
     assert resolve_resume(None, tmp_path / "none", auto_resume=True) is None
 
 

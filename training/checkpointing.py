@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 
 class CheckpointWriteError(OSError):
@@ -134,7 +135,13 @@ def newest_intact_checkpoint(folder: Path, first: Path | None = None) -> Path | 
         problem = checkpoint_problem(path)
         if problem is None:
             return path
-        rank_zero_warn(f"checkpoint {path} is unusable: {problem}; trying an older one")
+        # Moved aside, so that it neither shadows the checkpoints written next (ModelCheckpoint would write
+        # last-v1.ckpt beside a stale last.ckpt) nor gets picked again; kept for inspection.
+        aside = path.with_name(path.name + ".corrupt")
+        if rank_zero_only.rank == 0:
+            with contextlib.suppress(OSError):
+                os.replace(path, aside)
+        rank_zero_warn(f"checkpoint {path} is unusable: {problem}; moved it to {aside.name}, trying an older one")
     return None
 
 

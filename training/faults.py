@@ -44,9 +44,11 @@ class ExactResume(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         fit_loop = trainer.fit_loop
-        if not (fit_loop.restarting and fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher):
+        states = fit_loop._combined_loader_states_to_load
+        if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
             return
-        fit_loop._load_combined_loader_states()
+        fit_loop._combined_loader._load_state_dicts(states)
+        fit_loop._combined_loader_states_to_load = []
         if fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved after an epoch's last batch: the restored iterator is spent. Running it out advances the sampler
             # to the next epoch's order, which the next iterator follows (Lightning continues with it directly).
