@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
@@ -49,6 +50,8 @@ class ExactResume(Callback):
             return
         fit_loop._combined_loader._load_state_dicts(states)
         fit_loop._combined_loader_states_to_load = []
+        for loader in fit_loop._combined_loader.flattened:  # a DistributedSampler's order depends on the epoch
+            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
         if fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved after an epoch's last batch: the restored iterator is spent. Running it out advances the sampler
             # to the next epoch's order, which the next iterator follows (Lightning continues with it directly).
