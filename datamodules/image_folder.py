@@ -13,7 +13,7 @@ from typing import Literal
 import lightning as L
 import torch
 from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datamodules.images import find_classes, list_images, load_rgb, scan_split
@@ -227,10 +227,16 @@ class ImageFolderDataModule(L.LightningDataModule):
         # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
         # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
         loader_cls = StatefulDataLoader if shuffle else DataLoader
+        sampler = None
+        if shuffle and trainer is not None and trainer.world_size > 1:
+            # Lightning swaps torch's RandomSampler for a DistributedSampler, whose order is a function of (seed,
+            # epoch); torchdata's own RandomSampler would be wrapped instead, and its generator is not checkpointed.
+            sampler, shuffle = RandomSampler(dataset), False
         return loader_cls(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=sampler,
             drop_last=drop_last,
             num_workers=workers,
             pin_memory=on_cuda if self.pin_memory is None else self.pin_memory,
