@@ -161,7 +161,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             return
         if self.root is None:
             raise ValueError(f"data.root is required for {stage}; pass --data.root FOLDER")
-        if stage in ("fit", "validate"):
+        if stage in ("fit", "validate") and self.train_set is None:  # built once: `fit` validates again at its end
             train, val = self._train_val_samples()
             train, val = self._drop_bad(train), self._drop_bad(val)
             self.train_set = ImageFiles(train, train_tf)
