@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Literal
 
@@ -75,7 +76,11 @@ def _state_dict_from_file(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"model.weights={path} does not exist; pass a state-dict file, a checkpoint, "
                                 "a torchvision weights name such as IMAGENET1K_V2, or null")
     # weights_only: a weight file must never be able to run code when it is read.
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"model.weights={path} holds pickled objects beyond tensors, which could run code when "
+                         "loaded; refusing it. Re-save it as a plain state dict (torch.save(model.state_dict()))") from None
     if isinstance(state, dict) and "state_dict" in state:  # a Lightning checkpoint of this project
         state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
     if not isinstance(state, dict) or not state:

@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import importlib
+import os
+import pickle
 import sys
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
 from jsonargparse import DefaultHelpFormatter
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -19,11 +22,26 @@ from lightning.pytorch.utilities import rank_zero_info
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from training.callbacks import RunConfig
+from training.checkpointing import (
+    AtomicCheckpointIO,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+    resolve_resume,
+    unsafe_message,
+)
+from training.faults import NonFiniteLossError, fault_callbacks
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
     "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
 }
+
+
+# Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError, NonFiniteLossError,
+               CheckpointWriteError)
+_PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
+                                                                             "training"))
 
 
 class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
@@ -42,6 +60,24 @@ class ImgclsCLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
         parser.link_arguments("data.batch_size", "model.batch_size")  # for lr scaling by the global batch
+        parser.add_argument("--auto_resume", type=bool, default=False,
+                            help="fit: resume from the newest intact checkpoint of the run directory, if any")
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the model hyperparameters of --ckpt_path here, before any other hook: so this is where
+        # `last`, auto_resume and a broken checkpoint are resolved to an intact file.
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else None
+        if subcommand == "fit":
+            run_dir = Path(config.trainer.default_root_dir or "runs/default")
+            dirs = [c.init_args.dirpath for c in config.trainer.callbacks or []
+                    if c.class_path.endswith("ModelCheckpoint") and c.init_args.dirpath]
+            ckpt_dir = Path(dirs[0]) if dirs else run_dir / "checkpoints"
+            config.ckpt_path = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)
+        try:
+            super()._parse_ckpt_path()
+        except pickle.UnpicklingError as err:  # LightningCLI loads it with weights_only=True
+            raise UnsafeCheckpointError(unsafe_message(config.ckpt_path, err)) from None
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
@@ -55,6 +91,15 @@ class ImgclsCLI(LightningCLI):
         for callback in config.trainer.callbacks or []:
             if callback.class_path.endswith("ModelCheckpoint") and callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
+
+    def instantiate_trainer(self, **kwargs):
+        # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
+        # CheckpointIO.
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
         """Validate the best checkpoint (prints the metric table), then say where everything is."""
@@ -77,6 +122,14 @@ class ImgclsCLI(LightningCLI):
         rank_zero_info("\n".join(lines))
 
 
+def _raised_here(err: BaseException) -> bool:
+    """True when `err` was raised by this project's own checks (a ValueError from deep in torch keeps its traceback)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(_PACKAGES)
+
+
 def _fmt(score) -> str:
     return f"{float(score):.4f}" if score is not None else "-"
 
@@ -92,6 +145,7 @@ def cli_main(args: list[str] | None = None) -> ImgclsCLI:
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
         parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
+        trainer_defaults={"callbacks": fault_callbacks()},  # appended to the configured callbacks
     )
 
 
@@ -101,7 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] in EXTRA_COMMANDS:
         importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:])
         return
-    cli_main(argv)  # None: LightningCLI reads sys.argv itself
+    try:
+        cli_main(argv)  # None: LightningCLI reads sys.argv itself
+    except USER_ERRORS as err:
+        if os.environ.get("IMGCLS_TRACEBACK") or not _raised_here(err):
+            raise
+        # Bad config values, data layout, images or checkpoints: our messages name the key or file and the fix, so
+        # the traceback adds nothing for the user (IMGCLS_TRACEBACK=1 shows it).
+        print(f"imgcls: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
