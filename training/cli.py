@@ -7,22 +7,27 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
+import torch
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from training.callbacks import RunConfig
+from training.callbacks import PredictionWriter, RunConfig
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
     "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
+    "sweep": ("training.sweep", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
+    "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
+    "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
 }
 
 
@@ -52,9 +57,29 @@ class ImgclsCLI(LightningCLI):
             init = getattr(logger, "init_args", None)
             if init is not None and "save_dir" in init and init.save_dir in ("", None):
                 init.save_dir = str(run_dir)
+            if init is not None and logger.class_path.endswith("WandbLogger") and os.environ.get("WANDB_API_KEY") \
+                    and "WANDB_MODE" not in os.environ:
+                init.offline = False  # a key in the environment means: log online (WANDB_MODE=offline overrides)
         for callback in config.trainer.callbacks or []:
             if callback.class_path.endswith("ModelCheckpoint") and callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
+        if config.data.root is None and config.get("ckpt_path"):
+            # Predicting from a checkpoint alone: the eval transform must match training's, so take it from there.
+            saved = torch.load(config.ckpt_path, map_location="cpu", weights_only=True)
+            for key in ("preset", "image_size"):
+                if key in saved.get("datamodule_hyper_parameters", {}):
+                    config.data[key] = saved["datamodule_hyper_parameters"][key]
+
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ImageFolderDataModule,
+                                    subclasses=self.subclass_mode_data)  # replaces the one Lightning added
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in trainer.callbacks):
+            trainer.callbacks.append(PredictionWriter())  # predictions.csv in the run directory
+        return trainer
 
     def after_fit(self) -> None:
         """Validate the best checkpoint (prints the metric table), then say where everything is."""
@@ -77,11 +102,24 @@ class ImgclsCLI(LightningCLI):
         rank_zero_info("\n".join(lines))
 
 
+class _DataInstantiator(_InstantiatorFn):
+    """With `data.root: null` there are no folders to list: the classes come from the checkpoint's hyperparameters,
+    which LightningCLI has merged into `model`, so the data -> model links do not overwrite them with None."""
+
+    def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
+        datamodule = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
+                                      **kwargs)
+        model = self.cli.config[self.cli.subcommand].model
+        if datamodule.class_names is None and model.get("class_names"):
+            datamodule.class_names = list(model.class_names)
+        return datamodule
+
+
 def _fmt(score) -> str:
     return f"{float(score):.4f}" if score is not None else "-"
 
 
-def cli_main(args: list[str] | None = None) -> ImgclsCLI:
+def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
     """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
     epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
     return ImgclsCLI(
@@ -90,6 +128,7 @@ def cli_main(args: list[str] | None = None) -> ImgclsCLI:
         args=args,
         save_config_callback=RunConfig,
         save_config_kwargs={"overwrite": True},
+        trainer_defaults=trainer_defaults,  # the sweep adds its reporting callback here, kept out of config.yaml
         auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
         parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
     )
