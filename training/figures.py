@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: figures are rendered to arrays, never shown
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
