@@ -15,6 +15,7 @@ from datamodules.images import list_images, load_rgb
 from datamodules.presets import ClassificationPresetEval
 from lightning_modules import ImageClassifier
 from tests.helpers import CONFIGS, TINY, cli_env, free_port, run_cli
+from training.export import main as export_main
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +72,15 @@ def test_predict_from_checkpoint_alone_writes_csv(checkpoint, images, tmp_path):
 
 @pytest.mark.slow
 def test_predict_under_ddp_merges_ranks_without_padding_duplicates(checkpoint, images, tmp_path):
-    args = ["predict", "--ckpt_path", str(checkpoint), "--data.root", "null", "--data.predict_dir", str(images),
-            "--data.num_workers", "0", "--trainer.accelerator", "cpu"]
-    run_cli(*args, "--trainer.default_root_dir", str(tmp_path / "one"))
-    run_cli(*args, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-            "--trainer.default_root_dir", str(tmp_path / "two"), env=cli_env(MASTER_PORT=str(free_port())))
-    one, two = read_predictions(tmp_path / "one" / "predictions.csv"), read_predictions(tmp_path / "two" / "predictions.csv")
-    assert len(two) == 7 and [r["path"] for r in two] == [r["path"] for r in one]
-    assert [r["label"] for r in two] == [r["label"] for r in one]
-    assert not list((tmp_path / "two").glob(".predictions.csv.rank*"))  # the parts are merged and removed
+    run_cli("predict", "--ckpt_path", str(checkpoint), "--data.root", "null", "--data.predict_dir", str(images),
+            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+            "--trainer.strategy", "ddp", "--trainer.default_root_dir", str(tmp_path),
+            env=cli_env(MASTER_PORT=str(free_port())))
+    rows = read_predictions(tmp_path / "predictions.csv")
+    paths = list_images(images)
+    assert [r["path"] for r in rows] == paths  # 7 images on 2 ranks: each once, in order, none padded in
+    assert [int(r["label"]) for r in rows] == reference(checkpoint, paths).argmax(dim=1).tolist()
+    assert not list(tmp_path.glob(".predictions.csv.rank*"))  # the parts are merged and removed
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
@@ -101,5 +102,5 @@ def test_export_matches_pytorch(checkpoint, tmp_path, fmt):
 
 
 def test_export_rejects_missing_checkpoint(tmp_path):
-    proc = run_cli("export", "--ckpt_path", str(tmp_path / "nope.ckpt"), check=False)
-    assert proc.returncode != 0 and "nope.ckpt does not exist" in proc.stderr
+    with pytest.raises(SystemExit, match="nope.ckpt does not exist"):
+        export_main(["--ckpt_path", str(tmp_path / "nope.ckpt")])
