@@ -7,11 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
 
 EPOCHS = 2
 
@@ -80,3 +81,16 @@ def test_wandb_offline_run_holds_metrics_config_and_images(wandb_run):
     summary = json.loads(_wandb_inspect(wandb_run, "--summary", "--json"))
     assert summary["config"]["git"]["commit"] == git_head()
     assert sum(summary["config"]["data"]["val"].values()) > 0
+
+
+@pytest.mark.slow
+def test_ddp_run_makes_one_wandb_run_and_a_confusion_matrix_of_every_rank(tmp_path, digits_root):
+    env = {k: v for k, v in cli_env(WANDB_SILENT="true", MASTER_PORT=str(free_port())).items()
+           if k not in ("WANDB_API_KEY", "WANDB_MODE")}
+    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "loggers" / "wandb.yaml"),
+            *TINY, "--data.root", str(digits_root), "--trainer.devices", "2", "--trainer.strategy", "ddp",
+            "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",
+            "--trainer.default_root_dir", str(tmp_path), env=env)
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1  # rank 0 only
+    matrix = np.loadtxt(tmp_path / "figures" / "confusion_matrix.csv", delimiter=",")
+    assert matrix.shape == (10, 10) and matrix.sum() == 2 * 2 * 16  # 2 ranks x 2 batches x 16 images

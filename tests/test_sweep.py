@@ -138,6 +138,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     assert kept.datetime_complete == first[0].datetime_complete and kept.value == first[0].value
     assert [t.state for t in trials].count(TrialState.FAIL) == 1  # the killed trial, retried under a new number
     for t in done:
+        assert set(t.intermediate_values) == {0}  # each epoch's val/acc, reported by the trial process
         run_dir = Path(t.user_attrs["run_dir"])
         assert (run_dir / "config.yaml").is_file() and list((run_dir / "checkpoints").glob("*.ckpt"))
     assert "val/acc (maximize)" in resumed.stdout

@@ -14,7 +14,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 class ValidationFigures(Callback):
     """Logs `val/confusion_matrix` and `val/misclassified` to TensorBoard and W&B, and keeps the latest of each as a
-    PNG in `<run>/figures/` (for CSV-only runs and `imgcls report`).
+    PNG in `<run>/figures/` (for CSV-only runs and `imgcls report`), the matrix also as `confusion_matrix.csv`.
 
     The confusion matrix is a torchmetrics metric, so under DDP it counts every rank's images; the misclassified
     grid shows the first `max_images` mistakes that rank 0 sees (cheap: no extra forward pass, the logits are taken
@@ -46,7 +46,9 @@ class ValidationFigures(Callback):
         self._mistakes = []
 
         def keep_logits(module, args, output):
-            self._logits = output.detach()  # (B, num_classes)
+            # Under DDP, Lightning routes validation_step through the module's __call__ too (it returns None).
+            if isinstance(output, torch.Tensor):
+                self._logits = output.detach()  # (B, num_classes)
 
         self._hook = pl_module.register_forward_hook(keep_logits)
 
@@ -70,6 +72,10 @@ class ValidationFigures(Callback):
         if not trainer.is_global_zero:
             return
         names = pl_module.class_names
+        out = Path(trainer.default_root_dir) / "figures"
+        out.mkdir(parents=True, exist_ok=True)
+        np.savetxt(out / "confusion_matrix.csv", matrix.cpu().numpy(), fmt="%d", delimiter=",",
+                   header="rows: true class, columns: predicted class; " + ",".join(names))
         fig, ax = self.confusion.plot(val=matrix.cpu(), labels=names if len(names) <= 30 else None)
         ax.set_title(f"val confusion matrix, epoch {trainer.current_epoch}")
         _publish(trainer, "val/confusion_matrix", fig)
