@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import os
 import re
+import subprocess
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -15,7 +17,8 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 class RunConfig(SaveConfigCallback):
     """Writes the resolved config to `<run dir>/config.yaml` (rank 0), so the run can be re-run from its folder,
-    and logs it to every logger as hyperparameters; secrets (URL passwords, API keys) are masked in both."""
+    and logs it to every logger as hyperparameters, with the git commit (and dirty flag) and the images per class;
+    secrets (URL passwords, API keys) are masked in both."""
 
     def __init__(self, parser, config, **kwargs) -> None:
         kwargs["save_to_log_dir"] = False  # the run directory, not the first logger's folder
@@ -35,8 +38,35 @@ class RunConfig(SaveConfigCallback):
         run_dir.mkdir(parents=True, exist_ok=True)
         text = redact_secrets(self.parser.dump(self.config, skip_none=False))
         (run_dir / self.config_filename).write_text(text)
+        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
         for logger in trainer.loggers:
-            logger.log_hyperparams({"config": text})
+            logger.log_hyperparams(params)
+
+
+def git_state() -> dict[str, str | bool]:
+    """The commit of the code that runs, and whether tracked files differ from it ("unknown" outside a checkout)."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": False}
+
+
+def data_summary(datamodule) -> dict[str, dict[str, int]]:
+    """Images per class for each split the DataModule has set up: {"train": {"cat": 120, ...}, "val": {...}}."""
+    summary = {}
+    names = getattr(datamodule, "class_names", None) or []
+    for split in ("train", "val", "test"):
+        dataset = getattr(datamodule, f"{split}_set", None)
+        samples = getattr(dataset, "samples", None)
+        if samples:
+            counts = Counter(target for _, target in samples)
+            summary[split] = {names[c] if c < len(names) else str(c): counts[c] for c in sorted(counts)}
+    return summary
 
 
 # A password in a URL (postgresql://user:PASSWORD@host/db) and values of secret-looking environment variables.

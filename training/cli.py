@@ -13,15 +13,16 @@ import sys
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
+import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from training.callbacks import RunConfig
+from training.callbacks import PredictionWriter, RunConfig
 from training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointWriteError,
@@ -34,6 +35,9 @@ from training.faults import NonFiniteLossError, fault_callbacks
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
     "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
+    "sweep": ("training.sweep", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
+    "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
+    "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
 }
 
 
@@ -88,9 +92,23 @@ class ImgclsCLI(LightningCLI):
             init = getattr(logger, "init_args", None)
             if init is not None and "save_dir" in init and init.save_dir in ("", None):
                 init.save_dir = str(run_dir)
+            if init is not None and logger.class_path.endswith("WandbLogger") and os.environ.get("WANDB_API_KEY") \
+                    and "WANDB_MODE" not in os.environ:
+                init.offline = False  # a key in the environment means: log online (WANDB_MODE=offline overrides)
         for callback in config.trainer.callbacks or []:
             if callback.class_path.endswith("ModelCheckpoint") and callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
+        if config.data.root is None and config.get("ckpt_path"):
+            # Predicting from a checkpoint alone: the eval transform must match training's, so take it from there.
+            saved = torch.load(config.ckpt_path, map_location="cpu", weights_only=True)
+            for key in ("preset", "image_size"):
+                if key in saved.get("datamodule_hyper_parameters", {}):
+                    config.data[key] = saved["datamodule_hyper_parameters"][key]
+
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ImageFolderDataModule,
+                                    subclasses=self.subclass_mode_data)  # replaces the one Lightning added
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
@@ -99,7 +117,10 @@ class ImgclsCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in trainer.callbacks):
+            trainer.callbacks.append(PredictionWriter())  # predictions.csv in the run directory
+        return trainer
 
     def after_fit(self) -> None:
         """Validate the best checkpoint (prints the metric table), then say where everything is."""
@@ -122,6 +143,19 @@ class ImgclsCLI(LightningCLI):
         rank_zero_info("\n".join(lines))
 
 
+class _DataInstantiator(_InstantiatorFn):
+    """With `data.root: null` there are no folders to list: the classes come from the checkpoint's hyperparameters,
+    which LightningCLI has merged into `model`, so the data -> model links do not overwrite them with None."""
+
+    def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
+        datamodule = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
+                                      **kwargs)
+        model = self.cli.config[self.cli.subcommand].model
+        if datamodule.class_names is None and model.get("class_names"):
+            datamodule.class_names = list(model.class_names)
+        return datamodule
+
+
 def _raised_here(err: BaseException) -> bool:
     """True when `err` was raised by this project's own checks (a ValueError from deep in torch keeps its traceback)."""
     tb = err.__traceback__
@@ -134,7 +168,7 @@ def _fmt(score) -> str:
     return f"{float(score):.4f}" if score is not None else "-"
 
 
-def cli_main(args: list[str] | None = None) -> ImgclsCLI:
+def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
     """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
     epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
     return ImgclsCLI(
@@ -143,9 +177,11 @@ def cli_main(args: list[str] | None = None) -> ImgclsCLI:
         args=args,
         save_config_callback=RunConfig,
         save_config_kwargs={"overwrite": True},
+        # Appended to the configured callbacks, and kept out of config.yaml: the fault guards on every run, and the
+        # sweep's reporting callback on a trial.
+        trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
         auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
         parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
-        trainer_defaults={"callbacks": fault_callbacks()},  # appended to the configured callbacks
     )
 
 
