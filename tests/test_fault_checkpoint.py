@@ -61,9 +61,10 @@ def test_save_is_atomic_and_a_full_disk_keeps_the_previous_checkpoint(tmp_path, 
 def test_nan_weights_are_never_written(tmp_path):
     io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
     io.save_checkpoint(_ckpt(1.0), path)
-    with pytest.raises(NonFiniteWeightsError, match="hold NaN/inf"):
+    with pytest.raises(NonFiniteWeightsError, match="hold NaN"):
         io.save_checkpoint(_ckpt(float("nan")), path)
     assert torch.isfinite(io.load_checkpoint(path)["state_dict"]["w"]).all()
+    io.save_checkpoint(_ckpt(float("-inf")), path)  # metric states such as MaxMetric's start at -inf: allowed
 
 
 def test_truncated_last_checkpoint_falls_back_to_newest_intact(tmp_path, capsys):
@@ -141,7 +142,8 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint_and_no_secret_is_save
     assert "last good checkpoint: " + str(run / "checkpoints") in line
     for ckpt in (run / "checkpoints").glob("*.ckpt"):
         state = torch.load(ckpt, weights_only=True)["state_dict"]
-        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()), ckpt
+        weights = {k: v for k, v in state.items() if k.startswith("net.") and v.is_floating_point()}
+        assert weights and all(torch.isfinite(v).all() for v in weights.values()), ckpt
     config = (run / "config.yaml").read_text()
     assert "postgresql://alice:***@db:5432/optuna" in config
     for f in run.rglob("*"):

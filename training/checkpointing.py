@@ -85,11 +85,13 @@ def unsafe_message(path, err: Exception) -> str:
 
 
 def _check_finite(state_dict: dict[str, Any], path: Path) -> None:
+    # NaN, not inf: a diverged run fills its weights with NaN, while metric states legitimately start at -inf
+    # (MaxMetric, the best-so-far val/acc).
     bad = [k for k, v in state_dict.items()
-           if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
+           if isinstance(v, torch.Tensor) and v.is_floating_point() and torch.isnan(v).any()]
     if bad:
         raise NonFiniteWeightsError(
-            f"not writing {path}: {len(bad)} weight tensor(s) hold NaN/inf (first: {bad[0]}); "
+            f"not writing {path}: {len(bad)} weight tensor(s) hold NaN (first: {bad[0]}); "
             "the checkpoints saved before are kept"
         )
 
