@@ -1,0 +1,66 @@
+"""Runs every benchmark and writes docs/PERFORMANCE.md.
+
+    python -m benchmarks.run            # full sizes (`make bench`), about 20 minutes on 2 CPU cores
+    python -m benchmarks.run --quick    # tiny sizes, only to check that everything runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.common import machine
+
+ROOT = Path(__file__).resolve().parents[1]
+# Order of the sections in docs/PERFORMANCE.md.
+BENCHMARKS = ("input_pipeline", "loop_overhead", "compute_levers", "distributed", "time_to_accuracy",
+              "gpu_throughput")
+
+INTRO = """# Performance
+
+Every figure below is a ratio against a baseline measured side by side in the same run (candidates interleaved,
+medians taken), because the machine that produced them may be shared. Regenerate with `make bench`
+(`make bench-quick` only checks that the benchmarks run). Each section names the command that reproduces it alone.
+"""
+
+
+def run(names: tuple[str, ...] = BENCHMARKS, quick: bool = False) -> str:
+    sections = []
+    for name in names:
+        try:
+            module = importlib.import_module(f"benchmarks.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"benchmarks.{name}":
+                raise
+            sections.append(f"## {name}\n\nNot run: benchmarks/{name}.py is not in this checkout.\n")
+            continue
+        start = time.perf_counter()
+        print(f"running benchmarks.{name}{' --quick' if quick else ''} ...", flush=True)
+        try:
+            text = module.main(quick=quick)
+        except Exception:  # one broken benchmark must not lose the others' figures
+            text = f"## {name}\n\nFailed:\n\n```\n{traceback.format_exc(limit=5)}```\n"
+        print(text, flush=True)
+        sections.append(text + f"\n_Took {time.perf_counter() - start:.0f} s._\n")
+    mode = "quick mode (tiny sizes: checks only, not figures)" if quick else "full mode"
+    return INTRO + f"\nGenerated in {mode} on: {machine()}.\n\n" + "\n".join(sections)
+
+
+def main(quick: bool = False, out: Path | None = None) -> Path:
+    out = out or ROOT / "docs" / "PERFORMANCE.md"
+    text = run(quick=quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs")
+    parser.add_argument("--out", type=Path, default=None, help="where to write (default docs/PERFORMANCE.md)")
+    args = parser.parse_args()
+    main(args.quick, args.out)
