@@ -106,10 +106,16 @@ def main(quick: bool = False) -> str:
     size, batch, batches, reps = (64, 8, 2, 1) if quick else (224, 64, 6, 3)
     root = photo_folder(count, width=w, height=h)
 
-    # One core: the loader runs in the main process (num_workers=0), so images/s is per core.
+    # One core: the loader runs in this process (num_workers=0) with one torch thread, as in a loader worker
+    # (DataLoader sets that), so images/s is per core.
     one = {name: (lambda m=make, a=after: per_image_laps(m, a, batches))
            for name, (make, after) in loaders(root, size, batch, 0).items()}
-    t1 = interleaved(one, reps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t1 = interleaved(one, reps)
+    finally:
+        torch.set_num_threads(threads)
     # All cores: worker processes; the first batches (worker start-up, first prefetch) are not counted.
     workers = cores()
     multi = loaders(root, size, batch, workers)
@@ -140,8 +146,9 @@ def main(quick: bool = False) -> str:
         "Input pipeline",
         body,
         f"{count} photo-like {w}x{h} JPEGs (mean {mean_jpeg_kb(root):.0f} KB), {size} px RandomResizedCrop + "
-        f"flip, batch {batch}, medians of interleaved batches ({reps} rounds of {batches}), "
-        f"{torch.get_num_threads()} torch threads. `python -m benchmarks.input_pipeline`",
+        f"flip, batch {batch}; 1 core: medians of interleaved batches ({reps} rounds of {batches}), one torch "
+        f"thread; {workers} workers: medians of {reps} interleaved runs of {2 * batches} batches after start-up. "
+        "`python -m benchmarks.input_pipeline`",
     )
 
 
