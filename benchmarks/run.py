@@ -49,9 +49,22 @@ def run(names: tuple[str, ...] = BENCHMARKS, quick: bool = False) -> str:
     return INTRO + f"\nGenerated in {mode} on: {machine()}.\n\n" + "\n".join(sections)
 
 
-def main(quick: bool = False, out: Path | None = None) -> Path:
+def replace_sections(document: str, update: str) -> str:
+    """`document` with each "## " section of `update` put in place of the section of the same title."""
+    def split(text: str) -> tuple[str, dict[str, str]]:
+        head, *parts = text.split("\n## ")
+        return head, {p.partition("\n")[0]: "\n## " + p for p in parts}
+
+    head, old = split(document)
+    _, new = split(update)
+    return head + "".join(new.get(title, body) for title, body in old.items())
+
+
+def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = ()) -> Path:
     out = out or ROOT / "docs" / "PERFORMANCE.md"
-    text = run(quick=quick)
+    text = run(only or BENCHMARKS, quick=quick)
+    if only and out.is_file():  # re-run some benchmarks: keep the other sections' figures
+        text = replace_sections(out.read_text(), text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
@@ -62,5 +75,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs")
     parser.add_argument("--out", type=Path, default=None, help="where to write (default docs/PERFORMANCE.md)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=(),
+                        help="run these and replace their sections in --out, keeping the others")
     args = parser.parse_args()
-    main(args.quick, args.out)
+    main(args.quick, args.out, tuple(args.only))

@@ -61,3 +61,10 @@ def test_interleaved_takes_medians_round_robin():
     assert calls == ["a", "b", "a", "b"]
     assert result == {"a": 2.0, "b": 4.0}
     assert table(["x", "y"], [["r", 1234.5]]) == "| x | y |\n|---|---|\n| r | 1,234 |"
+
+
+def test_rerunning_some_benchmarks_keeps_the_other_sections():
+    document = "# Performance\nintro\n\n## Input pipeline\n\nold 1\n\n## Compute levers\n\nold 2\n"
+    update = "# Performance\nother intro\n\n## Compute levers\n\nnew 2\n"
+    assert run.replace_sections(document, update) == (
+        "# Performance\nintro\n\n## Input pipeline\n\nold 1\n\n## Compute levers\n\nnew 2\n")
