@@ -139,7 +139,7 @@ def main(quick: bool = False) -> str:
     body += (
         f"\n\nFeeding the model: the {arch} training step (bf16, channels_last, batch {step_batch}) runs at "
         f"{step_rate:.1f} img/s on this CPU, so {max(1, math.ceil(step_rate / loader_rate))} loader worker "
-        f"({step_rate / loader_rate:.2f} of a core) keeps it fed at {step_size} px. A GPU that trains ResNet-50 at "
+        f"({step_rate / loader_rate:.2g} of a core) keeps it fed at {step_size} px. A GPU that trains ResNet-50 at "
         f"{A100_IMAGES_PER_S:,} img/s (one A100, AMP) needs {math.ceil(A100_IMAGES_PER_S / fast_rate)} cores of "
         f"this speed at {fast_rate:.0f} img/s each (vs {math.ceil(A100_IMAGES_PER_S * t1[BASELINE])} with the "
         "baseline loader): set data.num_workers to that, or as many CPUs as the node gives each GPU."
