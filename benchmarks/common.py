@@ -35,7 +35,7 @@ def machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cpu_model()}, {cores()} cores, {gpu}; torch {torch.__version__}; "
-            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; load average {load:.1f} at the start")
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; 1-minute load average {load:.1f}")
 
 
 def interleaved(candidates: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, float]:

@@ -21,9 +21,11 @@ BENCHMARKS = ("input_pipeline", "loop_overhead", "compute_levers", "distributed"
 
 INTRO = """# Performance
 
-Every figure below is a ratio against a baseline measured side by side in the same run (candidates interleaved,
-medians taken), because the machine that produced them may be shared. Regenerate with `make bench`
-(`make bench-quick` only checks that the benchmarks run). Each section names the command that reproduces it alone.
+Every figure below is a ratio against a baseline measured in the same run, because the machine that produced them
+may be shared: loader, loop and lever candidates are interleaved and their medians taken; the two time-to-accuracy
+runs go one after the other, so other load during one of them skews that ratio. Regenerate with `make bench`
+(`make bench-quick` only checks that the benchmarks run; `python -m benchmarks.run --only NAME` re-runs one
+section in place). Each section names the command that reproduces it alone.
 """
 
 
