@@ -5,13 +5,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
 from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datamodules.images import find_classes, list_images, read_image, scan_split
 from datamodules.presets import (
@@ -21,6 +24,9 @@ from datamodules.presets import (
     Preset,
     float_transform,
 )
+from datamodules.validation import bad_images_message, find_bad_images
+
+log = logging.getLogger(__name__)
 
 
 class ImageFiles(Dataset):
@@ -35,7 +41,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, target = self.samples[index]
-        return self.transform(read_image(path)), target
+        return self.transform(_load(path)), target
 
 
 class PredictImages(Dataset):
@@ -49,7 +55,16 @@ class PredictImages(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.transform(read_image(self.paths[index])), index
+        return self.transform(_load(self.paths[index])), index
+
+
+def _load(path: str):
+    # A file that broke after the start-of-fit scan: name it, instead of a bare PIL error from a worker.
+    try:
+        return read_image(path)
+    except Exception as err:
+        raise RuntimeError(f"cannot read image {path}: {err}; remove or replace it (data.bad_images: skip "
+                           "drops unreadable files at the start of fit)") from err
 
 
 def default_num_workers(devices_per_node: int = 1) -> int:
@@ -76,6 +91,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         predict_dir: folder of images (nested folders allowed) for ``imgcls predict``.
         normalize_on_device: workers yield uint8 batches and the float conversion and normalization run after the
             copy to the device (same values, 4x fewer bytes moved); false yields float batches from the workers.
+        bad_images: what to do with files that cannot be decoded, found by a scan at setup: ``raise`` (list them
+            all and stop before training) or ``skip`` (log them and train on the rest).
     """
 
     def __init__(
@@ -92,9 +109,10 @@ class ImageFolderDataModule(L.LightningDataModule):
         pin_memory: bool | None = None,
         predict_dir: str | None = None,
         normalize_on_device: bool = True,
+        bad_images: Literal["raise", "skip"] = "raise",
     ) -> None:
         super().__init__()
-        _check_args(batch_size, num_workers, val_split, preset, image_size)
+        _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images)
         self.save_hyperparameters()
         self.root = Path(root).expanduser() if root is not None else None
         self.batch_size = batch_size
@@ -109,6 +127,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.predict_dir = Path(predict_dir).expanduser() if predict_dir is not None else None
         self.normalize_on_device = normalize_on_device
         self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
+        self.bad_images = bad_images
         # Class names are read now (a directory listing, cheap) so that the CLI can link them into the model.
         self.class_names: list[str] | None = self._read_class_names() if self.root is not None else None
         self.train_set = self.val_set = self.test_set = self.predict_set = None
@@ -150,19 +169,42 @@ class ImageFolderDataModule(L.LightningDataModule):
             paths = list_images(self.predict_dir)
             if not paths:
                 raise FileNotFoundError(f"data.predict_dir={self.predict_dir} holds no images")
-            self.predict_set = PredictImages(paths, eval_tf)
+            self.predict_set = PredictImages(self._drop_bad(paths), eval_tf)
             return
         if self.root is None:
             raise ValueError(f"data.root is required for {stage}; pass --data.root FOLDER")
-        if stage in ("fit", "validate"):
+        if stage in ("fit", "validate") and self.train_set is None:  # built once: `fit` validates again at its end
             train, val = self._train_val_samples()
+            train, val = self._drop_bad(train), self._drop_bad(val)
             self.train_set = ImageFiles(train, train_tf)
             self.val_set = ImageFiles(val, eval_tf)
         if stage == "test":
             test_dir = self.root / "test"
             if not test_dir.is_dir():
                 raise FileNotFoundError(f"{test_dir} does not exist; `imgcls test` needs a test/ split")
-            self.test_set = ImageFiles(scan_split(test_dir, self.class_names), eval_tf)
+            self.test_set = ImageFiles(self._drop_bad(scan_split(test_dir, self.class_names)), eval_tf)
+
+    def _drop_bad(self, samples: list) -> list:
+        """Scan `samples` (paths or (path, target) pairs) once on rank 0; raise on bad files or drop them."""
+        paths = [s[0] if isinstance(s, tuple) else s for s in samples]
+        trainer = self.trainer
+        bad = None
+        if trainer is None or trainer.is_global_zero:
+            bad = find_bad_images(paths, progress=len(paths) >= 5000)
+        if trainer is not None and trainer.world_size > 1:
+            bad = trainer.strategy.broadcast(bad, src=0)  # one scan per run; every rank decides alike
+        if not bad:
+            return samples
+        message = bad_images_message(bad, len(paths))
+        if self.bad_images == "raise":
+            raise ValueError(f"{message}\nremove or fix these files, or set data.bad_images: skip")
+        if trainer is None or trainer.is_global_zero:
+            log.warning(f"data.bad_images=skip: skipping {message}")
+        dropped = {p for p, _ in bad}
+        kept = [s for s, p in zip(samples, paths, strict=True) if p not in dropped]
+        if not kept:
+            raise ValueError(f"no usable image is left after skipping {len(bad)} bad files (first: {bad[0][0]})")
+        return kept
 
     def _train_val_samples(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         train = scan_split(self.root / "train", self.class_names)
@@ -194,10 +236,19 @@ class ImageFolderDataModule(L.LightningDataModule):
         if workers is None:
             workers = default_num_workers(trainer.num_devices if trainer is not None else 1)
         on_cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
-        return DataLoader(
+        # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
+        # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
+        loader_cls = StatefulDataLoader if shuffle else DataLoader
+        sampler = None
+        if shuffle and trainer is not None and trainer.world_size > 1:
+            # Lightning swaps torch's RandomSampler for a DistributedSampler, whose order is a function of (seed,
+            # epoch); torchdata's own RandomSampler would be wrapped instead, and its generator is not checkpointed.
+            sampler, shuffle = RandomSampler(dataset), False
+        return loader_cls(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=sampler,
             drop_last=drop_last,
             num_workers=workers,
             pin_memory=on_cuda if self.pin_memory is None else self.pin_memory,
@@ -226,7 +277,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         return x, y
 
 
-def _check_args(batch_size, num_workers, val_split, preset, image_size) -> None:
+def _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images) -> None:
     """Reject bad config values up front, naming the key."""
     if batch_size < 1:
         raise ValueError(f"data.batch_size={batch_size} must be at least 1")
@@ -238,3 +289,5 @@ def _check_args(batch_size, num_workers, val_split, preset, image_size) -> None:
         raise ValueError(f"data.preset={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
     if image_size < 32:
         raise ValueError(f"data.image_size={image_size} is below 32, too small for a ResNet (5 stride-2 stages)")
+    if bad_images not in ("raise", "skip"):
+        raise ValueError(f"data.bad_images={bad_images!r} is unknown; choose raise or skip")

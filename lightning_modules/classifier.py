@@ -81,6 +81,7 @@ class ImageClassifier(L.LightningModule):
         self.val_metrics = _split_metrics(num_classes, "val")
         self.test_metrics = _split_metrics(num_classes, "test")
         self.val_acc_best = MaxMetric()  # best-so-far val/acc, for dashboards and sweeps
+        self.val_acc_best.persistent(True)  # kept in checkpoints, so a resumed run remembers its best
 
     def configure_model(self) -> None:
         # Called by the Trainer once the module sits on its device; nn.Module.compile keeps the state-dict keys.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Literal
 
@@ -57,13 +58,17 @@ def load_backbone_weights(net: nn.Module, arch: str, weights: str) -> None:
     else:
         state = _state_dict_from_torchvision(arch, weights)
     backbone = {k: v for k, v in state.items() if not k.startswith(HEAD_PREFIX)}
-    missing, unexpected = net.load_state_dict(backbone, strict=False)
-    missing = [k for k in missing if not k.startswith(HEAD_PREFIX)]
-    if missing or unexpected:
+    own = net.state_dict()
+    missing = [k for k in own if k not in backbone and not k.startswith(HEAD_PREFIX)]
+    unexpected = [k for k in backbone if k not in own]
+    wrong_shape = [k for k in backbone if k in own and backbone[k].shape != own[k].shape]
+    if missing or unexpected or wrong_shape:
         raise ValueError(
-            f"model.weights={weights} does not fit {arch}: {len(missing)} missing keys (e.g. {missing[:3]}), "
-            f"{len(unexpected)} unexpected keys (e.g. {unexpected[:3]}); is it a {arch} state dict?"
+            f"model.weights={weights} does not fit {arch}: {len(missing)} missing, {len(unexpected)} unexpected and "
+            f"{len(wrong_shape)} wrongly shaped tensors (e.g. {(missing + unexpected + wrong_shape)[:3]}); "
+            f"is it a {arch} state dict?"
         )
+    net.load_state_dict(backbone, strict=False)  # strict=False: only the head (fc.*) is left as initialised
 
 
 def _state_dict_from_file(path: Path) -> dict[str, torch.Tensor]:
@@ -71,7 +76,11 @@ def _state_dict_from_file(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"model.weights={path} does not exist; pass a state-dict file, a checkpoint, "
                                 "a torchvision weights name such as IMAGENET1K_V2, or null")
     # weights_only: a weight file must never be able to run code when it is read.
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"model.weights={path} holds pickled objects beyond tensors, which could run code when "
+                         "loaded; refusing it. Re-save it as a plain state dict (torch.save(model.state_dict()))") from None
     if isinstance(state, dict) and "state_dict" in state:  # a Lightning checkpoint of this project
         state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
     if not isinstance(state, dict) or not state:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import csv
+import os
+import re
+import subprocess
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -13,19 +17,80 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 class RunConfig(SaveConfigCallback):
     """Writes the resolved config to `<run dir>/config.yaml` (rank 0), so the run can be re-run from its folder,
-    and logs it to every logger as hyperparameters."""
+    and logs it to every logger as hyperparameters, with the git commit (and dirty flag) and the images per class;
+    secrets (URL passwords, API keys) are masked in both."""
 
     def __init__(self, parser, config, **kwargs) -> None:
         kwargs["save_to_log_dir"] = False  # the run directory, not the first logger's folder
         super().__init__(parser, config, **kwargs)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning logs the model's and the DataModule's hyperparameters to every logger and stores them in each
+        # checkpoint: a password in any string value would leak there too, so those copies are masked as well.
+        for obj in (pl_module, trainer.datamodule):
+            for name in ("_hparams", "_hparams_initial"):
+                if isinstance(getattr(obj, name, None), dict):
+                    setattr(obj, name, type(getattr(obj, name))(_redact_values(getattr(obj, name))))
+        super().setup(trainer, pl_module, stage)
+
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         run_dir = Path(trainer.default_root_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.parser.save(self.config, run_dir / self.config_filename, skip_none=False, overwrite=True,
-                         multifile=self.multifile)
+        text = redact_secrets(self.parser.dump(self.config, skip_none=False))
+        (run_dir / self.config_filename).write_text(text)
+        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
         for logger in trainer.loggers:
-            logger.log_hyperparams({"config": self.parser.dump(self.config, skip_none=False)})
+            logger.log_hyperparams(params)
+
+
+def git_state() -> dict[str, str | bool]:
+    """The commit of the code that runs, and whether tracked files differ from it ("unknown" outside a checkout)."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": False}
+
+
+def data_summary(datamodule) -> dict[str, dict[str, int]]:
+    """Images per class for each split the DataModule has set up: {"train": {"cat": 120, ...}, "val": {...}}."""
+    summary = {}
+    names = getattr(datamodule, "class_names", None) or []
+    for split in ("train", "val", "test"):
+        dataset = getattr(datamodule, f"{split}_set", None)
+        samples = getattr(dataset, "samples", None)
+        if samples:
+            counts = Counter(target for _, target in samples)
+            summary[split] = {names[c] if c < len(names) else str(c): counts[c] for c in sorted(counts)}
+    return summary
+
+
+# A password in a URL (postgresql://user:PASSWORD@host/db) and values of secret-looking environment variables.
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+):(?P<password>[^@\s/]+)@")
+_SECRET_ENV = re.compile(r"(API_KEY|TOKEN|PASSWORD|SECRET|ACCESS_KEY)$", re.IGNORECASE)
+
+
+def _redact_values(value):
+    if isinstance(value, str):
+        return redact_secrets(value)
+    if isinstance(value, dict):
+        return {k: _redact_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact_values(v) for v in value)
+    return value
+
+
+def redact_secrets(text: str) -> str:
+    """`text` with URL passwords and the values of secret environment variables (WANDB_API_KEY...) masked."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}:***@", text)
+    for name, value in os.environ.items():
+        if _SECRET_ENV.search(name) and len(value) >= 6:
+            text = text.replace(value, f"<{name}>")
+    return text
 
 
 class PredictionWriter(BasePredictionWriter):

@@ -7,23 +7,45 @@
 from __future__ import annotations
 
 import importlib
+import os
+import pickle
 import sys
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
+import torch
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from training.callbacks import RunConfig
+from training.callbacks import PredictionWriter, RunConfig
+from training.checkpointing import (
+    AtomicCheckpointIO,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+    resolve_resume,
+    unsafe_message,
+)
+from training.faults import NonFiniteLossError, fault_callbacks
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
     "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
+    "sweep": ("training.sweep", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
+    "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
+    "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
 }
+
+
+# Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError, NonFiniteLossError,
+               CheckpointWriteError)
+_PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
+                                                                             "training"))
 
 
 class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
@@ -42,6 +64,24 @@ class ImgclsCLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
         parser.link_arguments("data.batch_size", "model.batch_size")  # for lr scaling by the global batch
+        parser.add_argument("--auto_resume", type=bool, default=False,
+                            help="fit: resume from the newest intact checkpoint of the run directory, if any")
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the model hyperparameters of --ckpt_path here, before any other hook: so this is where
+        # `last`, auto_resume and a broken checkpoint are resolved to an intact file.
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else None
+        if subcommand == "fit":
+            run_dir = Path(config.trainer.default_root_dir or "runs/default")
+            dirs = [c.init_args.dirpath for c in config.trainer.callbacks or []
+                    if c.class_path.endswith("ModelCheckpoint") and c.init_args.dirpath]
+            ckpt_dir = Path(dirs[0]) if dirs else run_dir / "checkpoints"
+            config.ckpt_path = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)
+        try:
+            super()._parse_ckpt_path()
+        except pickle.UnpicklingError as err:  # LightningCLI loads it with weights_only=True
+            raise UnsafeCheckpointError(unsafe_message(config.ckpt_path, err)) from None
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
@@ -52,9 +92,35 @@ class ImgclsCLI(LightningCLI):
             init = getattr(logger, "init_args", None)
             if init is not None and "save_dir" in init and init.save_dir in ("", None):
                 init.save_dir = str(run_dir)
+            if init is not None and logger.class_path.endswith("WandbLogger") and os.environ.get("WANDB_API_KEY") \
+                    and "WANDB_MODE" not in os.environ:
+                init.offline = False  # a key in the environment means: log online (WANDB_MODE=offline overrides)
         for callback in config.trainer.callbacks or []:
             if callback.class_path.endswith("ModelCheckpoint") and callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
+        if config.data.root is None and config.get("ckpt_path"):
+            # Predicting from a checkpoint alone: the eval transform must match training's, so take it from there.
+            saved = torch.load(config.ckpt_path, map_location="cpu", weights_only=True)
+            for key in ("preset", "image_size"):
+                if key in saved.get("datamodule_hyper_parameters", {}):
+                    config.data[key] = saved["datamodule_hyper_parameters"][key]
+
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ImageFolderDataModule,
+                                    subclasses=self.subclass_mode_data)  # replaces the one Lightning added
+
+    def instantiate_trainer(self, **kwargs):
+        # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
+        # CheckpointIO.
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in trainer.callbacks):
+            trainer.callbacks.append(PredictionWriter())  # predictions.csv in the run directory
+        return trainer
 
     def after_fit(self) -> None:
         """Validate the best checkpoint (prints the metric table), then say where everything is."""
@@ -77,25 +143,63 @@ class ImgclsCLI(LightningCLI):
         rank_zero_info("\n".join(lines))
 
 
+class _DataInstantiator(_InstantiatorFn):
+    """With `data.root: null` there are no folders to list: the classes come from the checkpoint's hyperparameters,
+    which LightningCLI has merged into `model`, so the data -> model links do not overwrite them with None."""
+
+    def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
+        datamodule = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
+                                      **kwargs)
+        model = self.cli.config[self.cli.subcommand].model
+        if datamodule.class_names is None and model.get("class_names"):
+            datamodule.class_names = list(model.class_names)
+        return datamodule
+
+
+def _raised_here(err: BaseException) -> bool:
+    """True when `err` was raised by this project's own checks (a ValueError from deep in torch keeps its traceback)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(_PACKAGES)
+
+
 def _fmt(score) -> str:
     return f"{float(score):.4f}" if score is not None else "-"
 
 
+def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
+    """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
+    epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
+    return ImgclsCLI(
+        ImageClassifier,
+        ImageFolderDataModule,
+        args=args,
+        save_config_callback=RunConfig,
+        save_config_kwargs={"overwrite": True},
+        # Appended to the configured callbacks, and kept out of config.yaml: the fault guards on every run, and the
+        # sweep's reporting callback on a trial.
+        trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
+        auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
+        parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The `imgcls` console script."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in EXTRA_COMMANDS:
         importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:])
         return
-    epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
-    ImgclsCLI(
-        ImageClassifier,
-        ImageFolderDataModule,
-        args=argv,  # None: LightningCLI reads sys.argv itself
-        save_config_callback=RunConfig,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
-        parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
-    )
+    try:
+        cli_main(argv)  # None: LightningCLI reads sys.argv itself
+    except USER_ERRORS as err:
+        if os.environ.get("IMGCLS_TRACEBACK") or not _raised_here(err):
+            raise
+        # Bad config values, data layout, images or checkpoints: our messages name the key or file and the fix, so
+        # the traceback adds nothing for the user (IMGCLS_TRACEBACK=1 shows it).
+        print(f"imgcls: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""Test-only fault injection: a callback that SIGKILLs its own process at a chosen point of training."""
+
+from __future__ import annotations
+
+import os
+
+from lightning.pytorch import Callback
+
+
+class KillAt(Callback):
+    """SIGKILL this process (no cleanup, like an OOM kill or a lost node) after training step `step`.
+
+    `where` is `train` (at the end of that training step, after any checkpoint of that step was written) or `val`
+    (after the first validation batch that follows that step). `rank` limits the kill to one process.
+    """
+
+    def __init__(self, step: int, where: str = "train", rank: int | None = None, sig: int = 9) -> None:
+        self.step, self.where, self.rank, self.sig = step, where, rank, sig
+
+    def _maybe_kill(self, trainer) -> None:
+        if trainer.global_step == self.step and (self.rank is None or trainer.global_rank == self.rank):
+            os.kill(os.getpid(), self.sig)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.where == "train":
+            self._maybe_kill(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.where == "train_start":
+            self._maybe_kill(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.where == "val" and not trainer.sanity_checking:
+            self._maybe_kill(trainer)

@@ -1,0 +1,190 @@
+"""Bad images, bad folder layouts and bad config values: each gets a clear error naming the file or key, before training."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+from PIL import Image
+
+import datamodules.validation as validation
+from datamodules import ImageFolderDataModule
+from datamodules.validation import find_bad_images, image_problem
+from lightning_modules import ImageClassifier
+from tests.helpers import TINY, make_image_folder, run_cli
+
+
+def _truncated_jpeg(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(path, quality=95)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def _bomb_png(path: Path, side: int = 40_000) -> Path:
+    """A 40,000 x 40,000 PNG header (1.6 G pixels, past PIL's 2 x 89 M guard) in a few hundred bytes."""
+    Image.new("L", (8, 8)).save(path)
+    data = bytearray(path.read_bytes())
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4: ihdr + 12] = struct.pack(">II", side, side)
+    data[ihdr + 17: ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr: ihdr + 17])))
+    path.write_bytes(bytes(data))
+    return path
+
+
+BAD_FILES = {  # file name -> (maker, expected reason)
+    "truncated.jpg": (_truncated_jpeg, "cannot be decoded (image file is truncated"),
+    "empty.jpg": (lambda p: (p.touch(), p)[1], "empty file (0 bytes)"),
+    "notes.jpg": (lambda p: (p.write_text("these are my notes, not a photo\n"), p)[1],
+                  "not an image (PIL cannot identify the format)"),
+    "bomb.png": (_bomb_png, "too large, refused by the decompression-bomb guard"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_each_bad_image_kind_is_found_with_its_reason(tmp_path, name):
+    maker, reason = BAD_FILES[name]
+    path = maker(tmp_path / name)
+    problem = image_problem(str(path))
+    assert problem is not None and problem.startswith(reason), problem
+
+
+def test_unreadable_file_is_reported(tmp_path, monkeypatch):
+    path = make_image_folder(tmp_path, {"a": 1}, splits=("train",)) / "train" / "a" / "000.png"
+    path.chmod(0)
+    if os.geteuid() == 0:
+        # root ignores file modes, so the permission check is simulated (as on a file owned by another user).
+        real_access = os.access
+        monkeypatch.setattr(validation.os, "access", lambda p, m: False if str(p) == str(path) else real_access(p, m))
+    assert image_problem(str(path)) == "no read permission"
+
+
+def _bad_dataset(tmp_path: Path) -> tuple[Path, list[Path]]:
+    root = make_image_folder(tmp_path / "data", {"a": 6, "b": 6}, size=32)
+    bad = [maker(root / "train" / ("a" if i % 2 else "b") / name) for i, (name, (maker, _)) in
+           enumerate(sorted(BAD_FILES.items()))]
+    return root, bad
+
+
+def test_raise_lists_every_bad_file_before_training(tmp_path):
+    root, bad = _bad_dataset(tmp_path)
+    dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32)
+    with pytest.raises(ValueError) as info:
+        dm.setup("fit")
+    message = str(info.value)
+    assert message.startswith(f"{len(bad)} of {12 + len(bad)} images cannot be used:")
+    for path in bad:
+        assert str(path) in message
+    assert message.endswith("remove or fix these files, or set data.bad_images: skip")
+
+
+def test_skip_logs_the_bad_files_and_trains_on_the_rest(tmp_path, caplog):
+    root, bad = _bad_dataset(tmp_path)
+    dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32, bad_images="skip",
+                               persistent_workers=False)
+    model = ImageClassifier(num_classes=2, class_names=dm.class_names, arch="resnet18", head_hidden=8, batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 2
+    assert len(dm.train_set) == 12
+    assert f"data.bad_images=skip: skipping {len(bad)} of {12 + len(bad)} images cannot be used" in caplog.text
+    for path in bad:
+        assert str(path) in caplog.text
+
+
+def test_scan_runs_in_threads_and_keeps_order(tmp_path):
+    root, bad = _bad_dataset(tmp_path)
+    paths = sorted(str(p) for p in root.rglob("*.*"))
+    assert [p for p, _ in find_bad_images(paths, workers=4)] == sorted(str(p) for p in bad)
+
+
+# ---- layout ---------------------------------------------------------------------------------------------------
+
+def _layout(tmp_path: Path, case: str) -> tuple[Path, dict, str]:
+    """(root, extra DataModule args, expected message start) for one broken layout."""
+    root = tmp_path / "data"
+    if case == "missing root":
+        return root, {}, f"data.root={root} does not exist"
+    if case == "no images":
+        (root / "train" / "a").mkdir(parents=True)
+        (root / "train" / "b").mkdir(parents=True)
+        return root, {}, f"class folder {root / 'train' / 'a'} holds no images"
+    if case == "no class folders":
+        (root / "train").mkdir(parents=True)
+        return root, {}, f"{root / 'train'} has no class folders"
+    make_image_folder(root, {"a": 5, "b": 5}, splits=("train",), size=32)
+    if case == "empty class folder":
+        (root / "train" / "c").mkdir()
+        return root, {}, f"class folder {root / 'train' / 'c'} holds no images"
+    if case == "val classes differ":
+        make_image_folder(root, {"a": 2, "c": 2}, splits=("val",), size=32)
+        return root, {}, f"val/ classes differ from train/ (root: {root}): missing from val/: ['b'], not in train/: ['c']"
+    if case == "single class":
+        for f in (root / "train" / "b").iterdir():
+            f.unlink()
+        (root / "train" / "b").rmdir()
+        return root, {}, f"{root / 'train'} has a single class (a)"
+    if case == "val split leaves a class empty":
+        for f in sorted((root / "train" / "b").iterdir())[1:]:
+            f.unlink()  # class b keeps 1 image: nothing left for validation
+        return root, {"val_split": 0.2}, "data.val_split=0.2 of"
+    raise AssertionError(case)
+
+
+LAYOUTS = ["missing root", "no images", "no class folders", "empty class folder", "val classes differ",
+           "single class", "val split leaves a class empty"]
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_bad_layout_names_the_path(tmp_path, case):
+    root, extra, expected = _layout(tmp_path, case)
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        ImageFolderDataModule(root=str(root), num_workers=0, image_size=32, **extra).setup("fit")
+    message = str(info.value)
+    assert message.startswith(expected), message
+    assert "\n" not in message
+
+
+# ---- through the real command: one line on stderr, exit 2, nothing trained --------------------------------------
+
+CLI_CASES = {
+    "negative lr": (["--model.lr", "-0.1"], "model.lr=-0.1 must be positive"),
+    "unknown preset": (["--data.preset", "fancy"], "data.preset"),
+    "image_size < 32": (["--data.image_size", "16"], "data.image_size=16 is below 32"),
+    "negative num_workers": (["--data.num_workers", "-1"], "data.num_workers=-1 must be >= 0"),
+    "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case):
+    args, expected = CLI_CASES[case]
+    root = make_image_folder(tmp_path / "data", {"a": 5, "b": 5}, splits=("train",), size=32)
+    run = tmp_path / "run"
+    proc = run_cli("fit", *TINY, "--data.root", str(root), "--trainer.default_root_dir", str(run),
+                   "--trainer.max_epochs", "1", *args, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run / "checkpoints").exists()  # nothing trained
+
+
+def test_bad_images_through_the_command_stop_before_training(tmp_path):
+    root, bad = _bad_dataset(tmp_path)
+    run = tmp_path / "run"
+    proc = run_cli("fit", *TINY, "--data.root", str(root), "--trainer.default_root_dir", str(run),
+                   "--trainer.max_epochs", "1", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"imgcls: error: {len(bad)} of {12 + len(bad)} images cannot be used:" in proc.stderr
+    for path in bad:
+        assert str(path) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run / "checkpoints").exists()

@@ -1,0 +1,116 @@
+"""The imgcls command: every shipped config parses, the quickstart runs, checkpoints validate and resume."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+import yaml
+from lightning.pytorch.callbacks import Callback
+
+from tests.helpers import CONFIGS, TINY, make_image_folder, run_cli
+from training.cli import cli_main, main
+
+QUIET = ["--trainer.enable_model_summary", "false"]
+
+
+def _trainer_configs() -> list[Path]:
+    """Shipped LightningCLI configs (sweep files have their own schema and their own tests)."""
+    return sorted(p for p in CONFIGS.rglob("*.yaml") if "sweeps" not in p.parts)
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    """In-process CLI runs must not see pytest's own command line."""
+    monkeypatch.setattr("sys.argv", ["imgcls"])
+
+
+def _print_config(*args: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, "--print_config"])
+    assert exit_.value.code in (0, None), out.getvalue()
+    return yaml.safe_load(out.getvalue())
+
+
+@pytest.mark.parametrize("config", _trainer_configs(), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_shipped_config_parses(config):
+    base = [] if config.parent == CONFIGS else ["--config", str(CONFIGS / "quickstart.yaml")]
+    printed = _print_config(*base, "--config", str(config))
+    assert printed["model"]["arch"].startswith(("resnet", "wide_resnet"))
+    assert printed["trainer"]["default_root_dir"]
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "demo-data"):
+        assert command in out
+
+
+def test_quickstart_fast_dev_run(digits_root, tmp_path):
+    proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.root", str(digits_root),
+                   "--trainer.fast_dev_run", "1", "--trainer.default_root_dir", str(tmp_path / "run"))
+    assert "`Trainer.fit` stopped: `max_steps=1` reached" in proc.stdout + proc.stderr
+
+
+def _tiny_fit_args(root: Path, run: Path, epochs: int) -> list[str]:
+    return ["--config", str(CONFIGS / "quickstart.yaml"), *TINY, *QUIET, "--data.root", str(root),
+            "--trainer.default_root_dir", str(run), "--trainer.max_epochs", str(epochs),
+            "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2", "--trainer.precision", "32-true"]
+
+
+def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_path):
+    run = tmp_path / "run"
+    cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=2)])
+    last = run / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True, map_location="cpu")
+    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    logged = float(state["current_score"])  # val/acc logged at the end of the last epoch
+
+    cli = cli_main(["validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(last), *QUIET])
+    assert float(cli.trainer.callback_metrics["val/acc"]) == pytest.approx(logged, abs=1e-6)
+    assert ckpt["hyper_parameters"]["class_names"] == [str(i) for i in range(10)]  # travels in the checkpoint
+
+
+class EpochRecorder(Callback):
+    """Records which epochs this process trained."""
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.epochs.append(trainer.current_epoch)
+
+
+def test_ckpt_path_last_resumes_from_the_saved_epoch(digits_root, tmp_path):
+    run = tmp_path / "run"
+    cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=1)])
+    first = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert first["epoch"] == 0 and first["global_step"] == 4
+
+    cli = cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=3), "--ckpt_path", "last",
+                    "--trainer.callbacks+=tests.test_cli.EpochRecorder"])
+    recorder = next(c for c in cli.trainer.callbacks if isinstance(c, EpochRecorder))
+    assert recorder.epochs == [1, 2]  # epoch 0 was not trained again
+    assert cli.trainer.global_step == 12
+
+
+def test_production_config_runs_one_batch_on_cpu(tmp_path):
+    """configs/imagenet_ddp8.yaml as shipped (ResNet50, IMAGENET1K_V2 from the hub cache, 16-mixed), one device."""
+    make_image_folder(tmp_path / "data", {"cat": 4, "dog": 4}, size=64, ext=".jpg")
+    hub = tmp_path / "torch" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    torch.save(torchvision.models.resnet50(weights=None).state_dict(), hub / "resnet50-11ad3fa6.pth")
+    from tests.helpers import cli_env
+
+    proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--trainer.accelerator", "cpu",
+                   "--trainer.devices", "1", "--trainer.fast_dev_run", "1", "--data.root", str(tmp_path / "data"),
+                   "--data.num_workers", "0", "--data.batch_size", "4", "--data.image_size", "64",
+                   "--trainer.default_root_dir", str(tmp_path / "run"), env=cli_env(TORCH_HOME=str(tmp_path / "torch")))
+    assert "bf16-mixed" in proc.stderr + proc.stdout  # 16-mixed falls back to bf16 on CPU, with Lightning's warning

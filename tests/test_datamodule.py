@@ -1,0 +1,154 @@
+"""The image-folder DataModule: splits, class agreement, image modes, transforms, loaders, demo data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from datamodules import ImageFolderDataModule
+from datamodules.demo import MANIFEST, build_demo_data
+from datamodules.images import load_rgb
+from datamodules.presets import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ClassificationPresetEval,
+    ClassificationPresetTrain,
+)
+from tests.helpers import make_image_folder
+
+
+def test_classes_are_sorted_folder_names(tmp_path):
+    make_image_folder(tmp_path, {"zebra": 2, "ant": 2, "moth": 2})
+    dm = ImageFolderDataModule(tmp_path, image_size=32)
+    assert dm.class_names == ["ant", "moth", "zebra"]
+    assert dm.num_classes == 3
+
+
+def test_val_split_is_stratified_disjoint_and_repeatable(tmp_path):
+    make_image_folder(tmp_path, {"a": 20, "b": 10, "c": 30}, splits=("train",))
+    splits = []
+    for _ in range(2):
+        dm = ImageFolderDataModule(tmp_path, val_split=0.2, image_size=32)
+        dm.setup("fit")
+        splits.append((dm.train_set.samples, dm.val_set.samples))
+    (train, val), (train2, val2) = splits
+    assert (train, val) == (train2, val2)  # same split on every process and every run
+    assert not {p for p, _ in train} & {p for p, _ in val}
+    assert len(train) + len(val) == 60
+    per_class = np.bincount([t for _, t in val], minlength=3)
+    assert per_class.tolist() == [4, 2, 6]  # 20% of each class
+
+
+def test_val_split_seed_changes_the_split(tmp_path):
+    make_image_folder(tmp_path, {"a": 20, "b": 20}, splits=("train",))
+    vals = []
+    for seed in (0, 1):
+        dm = ImageFolderDataModule(tmp_path, val_split=0.25, split_seed=seed, image_size=32)
+        dm.setup("fit")
+        vals.append({p for p, _ in dm.val_set.samples})
+    assert vals[0] != vals[1]
+
+
+def test_classes_must_agree_across_splits(tmp_path):
+    make_image_folder(tmp_path, {"a": 2, "b": 2}, splits=("train",))
+    make_image_folder(tmp_path, {"a": 2, "c": 2}, splits=("val",))
+    with pytest.raises(ValueError, match=r"val/ classes differ from train/.*missing from val/: \['b'\].*not in train/: \['c'\]"):
+        ImageFolderDataModule(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("mode", "ext", "value"),
+    [
+        ("L", ".png", 200),
+        ("P", ".PNG", 77),
+        ("RGBA", ".webp", 90),
+        ("CMYK", ".JPG", None),
+        ("RGB", ".jpeg", 120),
+        ("RGB", ".bmp", 33),
+        ("I;16", ".png", 40000),  # 16-bit: rescaled to 8 bits, not clipped to white
+    ],
+)
+def test_every_image_mode_loads_as_rgb(tmp_path, mode, ext, value):
+    path = tmp_path / f"img{ext}"
+    if mode == "I;16":
+        Image.fromarray(np.full((16, 16), value, dtype=np.uint16)).save(path)
+        expected = round(value * 255 / 65535)
+    elif mode == "CMYK":
+        Image.new("CMYK", (16, 16), (0, 0, 0, 0)).save(path, quality=100)  # no ink: white
+        expected = 255
+    elif mode == "P":
+        Image.new("L", (16, 16), value).convert("P").save(path)
+        expected = value
+    else:
+        fill = value if mode == "L" else (value,) * len(mode)
+        Image.new(mode, (16, 16), fill).save(path, **({"lossless": True} if ext == ".webp" else {}))
+        expected = value
+    img = load_rgb(str(path))
+    assert img.mode == "RGB" and img.size == (16, 16)
+    assert abs(int(np.asarray(img)[8, 8, 0]) - expected) <= 2
+
+
+def test_palette_with_transparency_loads(tmp_path):
+    img = Image.new("P", (8, 8), 1)
+    img.putpalette([0, 0, 0, 10, 20, 30] + [0] * 762)
+    img.info["transparency"] = 0
+    img.save(tmp_path / "t.png", transparency=0)
+    assert np.asarray(load_rgb(str(tmp_path / "t.png")))[0, 0].tolist() == [10, 20, 30]
+
+
+@pytest.mark.parametrize("preset", ["imagenet", "keras", "none"])
+def test_presets_give_float_chw_of_image_size(preset):
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8))
+    for tf in (ClassificationPresetTrain(preset=preset, image_size=40), ClassificationPresetEval(preset=preset, image_size=40)):
+        out = tf(img)
+        assert out.shape == (3, 40, 40) and out.dtype == torch.float32
+        assert torch.isfinite(out).all()
+        if preset == "imagenet":
+            assert out.min() < 0  # normalised by ImageNet mean and std
+        else:
+            assert 0.0 <= out.min() and out.max() <= 1.0
+
+
+def test_imagenet_eval_normalises_with_imagenet_stats():
+    rgb = (124, 116, 104)  # ~ the ImageNet mean colour
+    out = ClassificationPresetEval(preset="imagenet", image_size=32)(Image.new("RGB", (64, 64), rgb))
+    expected = torch.tensor([(v / 255 - m) / s for v, m, s in zip(rgb, IMAGENET_MEAN, IMAGENET_STD, strict=True)])
+    assert torch.allclose(out[:, 16, 16], expected, atol=1e-4)
+
+
+def test_train_loader_batches(digits_root):
+    dm = ImageFolderDataModule(digits_root, batch_size=8, num_workers=0, preset="none", image_size=32)
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32
+    assert y.dtype == torch.int64 and y.max() < 10
+    assert len(dm.val_set) == 180 and len(dm.train_set) == 1437
+
+
+def test_predict_dir_nested(tmp_path):
+    for sub in ("", "a", "a/b"):
+        (tmp_path / "p" / sub).mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (20, 20)).save(tmp_path / "p" / sub / "x.JPEG")
+    (tmp_path / "p" / "notes.txt").write_text("not an image")
+    dm = ImageFolderDataModule(None, predict_dir=str(tmp_path / "p"), image_size=32, num_workers=0)
+    dm.setup("predict")
+    assert len(dm.predict_set) == 3
+    x, index = dm.predict_set[2]
+    assert x.shape == (3, 32, 32) and index == 2
+
+
+def test_demo_data_is_stratified_and_idempotent(tmp_path):
+    out = build_demo_data(tmp_path / "digits", size=16)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["counts"] == {"train": 1437, "val": 180, "test": 180}
+    val_counts = [len(list((out / "val" / str(c)).iterdir())) for c in range(10)]
+    assert min(val_counts) >= 17 and sum(val_counts) == 180
+    stamp = (out / "train" / "0").stat().st_mtime_ns
+    build_demo_data(tmp_path / "digits", size=16)  # second run: nothing rewritten
+    assert (out / "train" / "0").stat().st_mtime_ns == stamp
+    with pytest.raises(FileExistsError):
+        build_demo_data(tmp_path / "digits", size=32)  # other settings never overwrite a tree silently

@@ -1,0 +1,167 @@
+"""The network builder and the LightningModule: shapes, head, weights from files, freezing, lr scaling."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from datamodules import ImageFolderDataModule
+from lightning_modules import ImageClassifier, build_resnet
+from tests.helpers import make_image_folder
+
+
+@pytest.mark.parametrize(("arch", "features"), [("resnet18", 512), ("resnet50", 2048)])
+def test_head_follows_the_seed(arch, features):
+    net = build_resnet(arch, head_hidden=1024, num_classes=7)
+    linears = [m for m in net.fc.modules() if isinstance(m, nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(features, 1024), (1024, 7)]
+    assert any(isinstance(m, nn.ReLU) for m in net.fc.modules())
+    assert any(isinstance(m, nn.Dropout) for m in net.fc.modules())
+    assert isinstance(net.avgpool, nn.AdaptiveAvgPool2d)  # global average pool before the head
+
+
+def test_head_hidden_zero_is_a_single_linear_layer():
+    net = build_resnet("resnet18", head_hidden=0, num_classes=3)
+    assert isinstance(net.fc, nn.Linear) and (net.fc.in_features, net.fc.out_features) == (512, 3)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_forward_shape_and_finite(channels_last):
+    model = ImageClassifier(num_classes=5, arch="resnet18", channels_last=channels_last).eval()
+    with torch.no_grad():
+        out = model(torch.randn(3, 3, 64, 64))
+    assert out.shape == (3, 5) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+
+
+def test_weights_from_torchvision_state_dict_file(tmp_path):
+    source = torchvision.models.resnet18(weights=None)
+    path = tmp_path / "resnet18.pth"
+    torch.save(source.state_dict(), path)
+    net = build_resnet("resnet18", weights=str(path), num_classes=4)
+    assert torch.equal(net.conv1.weight, source.conv1.weight)
+    assert torch.equal(net.layer4[1].bn2.running_var, source.layer4[1].bn2.running_var)
+    assert net.fc[-1].out_features == 4  # the 1000-class classifier is not taken
+
+
+def test_weights_from_a_project_checkpoint(tmp_path):
+    trained = ImageClassifier(num_classes=3, arch="resnet18")
+    path = tmp_path / "run.ckpt"
+    torch.save({"state_dict": trained.state_dict(), "hyper_parameters": dict(trained.hparams)}, path)
+    net = build_resnet("resnet18", weights=str(path), num_classes=6)
+    assert torch.equal(net.layer1[0].conv1.weight, trained.net.layer1[0].conv1.weight)
+
+
+def test_weights_for_another_arch_are_refused(tmp_path):
+    path = tmp_path / "r18.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+    with pytest.raises(ValueError, match="does not fit resnet50"):
+        build_resnet("resnet50", weights=str(path))
+
+
+def test_missing_weights_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pth does not exist"):
+        build_resnet("resnet18", weights=str(tmp_path / "nope.pth"))
+
+
+def test_weights_name_loads_from_the_torch_hub_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    source = torchvision.models.resnet18(weights=None)
+    cache = tmp_path / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(source.state_dict(), cache / "resnet18-f37072fd.pth")  # IMAGENET1K_V1's file name
+    net = build_resnet("resnet18", weights="IMAGENET1K_V1")
+    assert torch.equal(net.conv1.weight, source.conv1.weight)
+
+
+def test_weights_name_without_network_says_where_to_put_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+
+    def offline(*args, **kwargs):
+        raise OSError("[Errno 101] Network is unreachable")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    expected = str(tmp_path / "hub" / "checkpoints" / "resnet50-11ad3fa6.pth")
+    with pytest.raises(RuntimeError, match="Network is unreachable") as err:
+        build_resnet("resnet50", weights="IMAGENET1K_V2")
+    assert expected in str(err.value)
+
+
+def test_unknown_weights_name_lists_the_choices():
+    with pytest.raises(ValueError, match="IMAGENET1K_V1"):
+        build_resnet("resnet18", weights="IMAGENET9K")
+
+
+def test_param_groups_skip_weight_decay_on_biases_and_norms():
+    model = ImageClassifier(num_classes=3, arch="resnet18", weight_decay=0.1, backbone_lr_ratio=0.1, lr=0.256,
+                            lr_scaling="none")
+    groups = model.param_groups()
+    assert sum(len(g["params"]) for g in groups) == len(list(model.net.parameters()))
+    for g in groups:
+        assert all(p.ndim > 1 for p in g["params"]) == (g["weight_decay"] == 0.1)
+        assert g["lr"] == pytest.approx(0.256 if g["is_head"] else 0.0256)
+
+
+@pytest.mark.parametrize(("scaling", "expected"), [("linear", 0.5), ("sqrt", 0.5**0.5), ("none", 1.0)])
+def test_lr_scales_with_the_global_batch(scaling, expected):
+    model = ImageClassifier(num_classes=3, arch="resnet18", batch_size=64, lr_scaling=scaling)
+    model.trainer = L.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=2, logger=False)
+    assert model.lr_scale() == pytest.approx(expected)  # global batch 1 x 64 x 2 = 128 images
+
+
+def _fit(root, **model_kwargs) -> tuple[ImageClassifier, dict[str, torch.Tensor]]:
+    L.seed_everything(0)
+    dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, preset="none", image_size=32)
+    model = ImageClassifier(num_classes=dm.num_classes, arch="resnet18", head_hidden=16, optimizer="sgd",
+                            lr=1.0, warmup_epochs=0, **model_kwargs)
+    before = {k: v.clone() for k, v in model.net.state_dict().items()}
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=3, limit_val_batches=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, dm)
+    return model, before
+
+
+def test_frozen_backbone_stays_fixed_while_the_head_learns(tmp_path):
+    make_image_folder(tmp_path, {"a": 6, "b": 6}, size=32)
+    model, before = _fit(tmp_path, freeze_backbone_epochs=1)
+    after = model.net.state_dict()
+    backbone = [k for k in before if not k.startswith("fc.")]
+    assert all(torch.equal(before[k], after[k]) for k in backbone)  # weights and BatchNorm statistics
+    assert not torch.equal(before["fc.0.weight"], after["fc.0.weight"])
+
+    model, before = _fit(tmp_path, freeze_backbone_epochs=0)
+    assert not torch.equal(before["conv1.weight"], model.net.state_dict()["conv1.weight"])
+
+
+def test_predict_returns_a_result_for_every_image(tmp_path):
+    for i in range(7):
+        (tmp_path / "imgs" / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
+        torchvision.transforms.functional.to_pil_image(torch.rand(3, 40, 40)).save(tmp_path / "imgs" / f"d{i % 2}" / f"{i}.png")
+    dm = ImageFolderDataModule(None, batch_size=3, num_workers=0, image_size=32, predict_dir=str(tmp_path / "imgs"))
+    model = ImageClassifier(num_classes=3, class_names=["cat", "dog", "eel"], arch="resnet18")
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    batches = trainer.predict(model, dm)
+    assert sum(len(b["index"]) for b in batches) == 7
+    assert sorted(int(i) for b in batches for i in b["index"]) == list(range(7))
+    for b in batches:
+        assert all(name in ("cat", "dog", "eel") for name in b["class_name"])
+        assert torch.all((b["confidence"] > 0) & (b["confidence"] <= 1))
+        assert torch.allclose(b["top5_probs"][:, 0], b["confidence"])
+        assert b["top5_labels"].shape[1] == 3  # top-k capped at the number of classes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -0.1}, "model.lr=-0.1 must be positive"),
+        ({"optimizer": "adam"}, "model.optimizer='adam' is unknown"),
+        ({"arch": "vgg16"}, "model.arch='vgg16' is unknown"),
+        ({"class_names": ["a"]}, "model.class_names has 1 names but model.num_classes=3"),
+    ],
+)
+def test_bad_model_arguments_name_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        ImageClassifier(num_classes=3, **{"arch": "resnet18", **kwargs})

@@ -1,0 +1,150 @@
+"""Config-file sweeps: the W&B schema checked key by key, and a real Optuna grid sweep that is killed and resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli
+from training.sweep import SweepFileError, load_sweep, trial_args
+from training.sweep import main as sweep_main
+
+
+def write_sweep(path: Path, digits_root: Path, **overrides) -> Path:
+    spec = {
+        "name": "grid2x2",
+        "method": "grid",
+        "metric": {"name": "val/acc", "goal": "maximize"},
+        "parameters": {
+            "model.lr": {"values": [0.02, 0.2]},
+            "model.weight_decay": {"values": [0.0, 0.05]},
+            "trainer.max_epochs": {"value": 1},
+        },
+        "command": ["${env}", "${interpreter}", "-m", "training.cli", "fit",
+                    "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(digits_root),
+                    "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "${args}"],
+    }
+    spec.update(overrides)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_shipped_sweep_file_is_valid():
+    sweep = load_sweep(CONFIGS / "sweeps" / "quickstart_lr.yaml")
+    assert sweep.method == "bayes" and sweep.metric == "val/acc" and sweep.hyperband["type"] == "hyperband"
+    assert sweep.fixed_args == ["--config", "configs/quickstart.yaml"]
+
+
+def test_grid_expands_ranges_and_args_match_wandb_format(tmp_path):
+    path = write_sweep(tmp_path / "s.yaml", tmp_path, parameters={
+        "trainer.max_epochs": {"distribution": "int_uniform", "min": 1, "max": 3},
+        "model.dropout": {"distribution": "q_uniform", "min": 0.0, "max": 0.5, "q": 0.25},
+    })
+    sweep = load_sweep(path)
+    assert sweep.grid == {"trainer.max_epochs": [1, 2, 3], "model.dropout": [0.0, 0.25, 0.5]}
+    assert trial_args({"model.lr": 0.1, "model.nesterov": True}) == ["--model.lr=0.1", "--model.nesterov=True"]
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"method": "hillclimb"}, "`method`"),
+    ({"metric": {"goal": "maximize"}}, "`metric.name`"),
+    ({"parameters": {"model.lr": {"distribution": "lognormal", "min": 0.1, "max": 1.0}}},
+     "`parameters.model.lr.distribution`"),
+    ({"parameters": {"model.lr": {"min": 0.1, "max": 1.0}}}, "`parameters.model.lr`"),  # continuous in a grid
+    ({"early_terminate": {"type": "median"}}, "`early_terminate.type`"),
+    ({"command": ["imgcls", "validate"]}, "`command`"),
+    ({"paramters": {}}, "`paramters`"),
+])
+def test_invalid_sweep_file_names_the_key(tmp_path, change, key):
+    path = write_sweep(tmp_path / "bad.yaml", tmp_path, **change)
+    with pytest.raises(SweepFileError, match=key.replace(".", r"\.")):
+        load_sweep(path)
+
+
+def test_misspelt_parameter_path_fails_before_any_trial(tmp_path, digits_root, monkeypatch):
+    path = write_sweep(tmp_path / "bad.yaml", digits_root,
+                       parameters={"model.lrr": {"values": [0.1, 0.2]}})
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit, match=r"model\.lrr"):
+        sweep_main(["--config", str(path), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def _trials(db: Path, name: str) -> list:
+    if not db.is_file():
+        return []
+    try:
+        return optuna.load_study(study_name=name, storage=f"sqlite:///{db}").get_trials()
+    except KeyError:  # the study is not created yet
+        return []
+
+
+def _last_scalar(run_dir: Path, tag: str) -> float:
+    values = []
+    for events in sorted(run_dir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values += [(e.wall_time, e.value) for e in acc.Scalars(tag)]
+    return max(values)[1]
+
+
+@pytest.mark.slow
+def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reproduces(tmp_path, digits_root):
+    path = write_sweep(tmp_path / "grid.yaml", digits_root)
+    out = tmp_path / "sweep"
+    db = out / "sweep.db"
+    cmd = [sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(out)]
+
+    # 1. Start the sweep and kill it (the whole process group, as Ctrl-C or a job scheduler would) once the first
+    #    trial has finished and the second one is running.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            states = [t.state for t in _trials(db, "grid2x2")]
+            if TrialState.COMPLETE in states and TrialState.RUNNING in states:
+                break
+            assert proc.poll() is None, "the sweep ended before it could be interrupted"
+            time.sleep(0.5)
+        else:
+            pytest.fail("no trial finished in time")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    first = [t for t in _trials(db, "grid2x2") if t.state == TrialState.COMPLETE]
+    assert len(first) == 1
+
+    # 2. The same command again: the interrupted trial is retried, the finished one is kept.
+    resumed = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    trials = _trials(db, "grid2x2")
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    points = {(t.params["model.lr"], t.params["model.weight_decay"]) for t in done}
+    assert points == {(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)}
+    assert len(done) == 4, "a finished grid point was run twice"
+    kept = next(t for t in done if t.number == first[0].number)
+    assert kept.datetime_complete == first[0].datetime_complete and kept.value == first[0].value
+    assert [t.state for t in trials].count(TrialState.FAIL) == 1  # the killed trial, retried under a new number
+    for t in done:
+        assert set(t.intermediate_values) == {0}  # each epoch's val/acc, reported by the trial process
+        run_dir = Path(t.user_attrs["run_dir"])
+        assert (run_dir / "config.yaml").is_file() and list((run_dir / "checkpoints").glob("*.ckpt"))
+    assert "val/acc (maximize)" in resumed.stdout
+
+    # 3. best.yaml reruns the best trial and gets its metric back.
+    best = optuna.load_study(study_name="grid2x2", storage=f"sqlite:///{db}").best_trial
+    assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
+    run_cli("fit", "--config", str(out / "best.yaml"))
+    assert _last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)

@@ -1,0 +1,176 @@
+"""Checkpoint integrity: atomic, finite-only writes, safe (weights_only) loads, and picking an intact checkpoint to resume.
+
+    imgcls fit --config configs/quickstart.yaml --ckpt_path last   # newest intact checkpoint of the run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the files saved before it are untouched."""
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint holds pickled objects beyond tensors and plain containers, so it was not loaded."""
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The model holds NaN or infinite weights; such a state is never written as a checkpoint."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """TorchCheckpointIO that writes a temporary file in the target folder, fsyncs it and renames it into place.
+
+    Lightning's own `_atomic_save` serialises to memory first but then writes the target in place, so a kill or a
+    full disk during the write leaves a truncated `last.ckpt` behind. A rename within one folder is atomic on POSIX
+    file systems: readers see the old file or the new one, never half of one. Loads use `weights_only=True`, so a
+    checkpoint cannot run code when it is unpickled.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options")
+        path = Path(path)
+        _check_finite(checkpoint.get("state_dict", {}), path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CheckpointWriteError(
+                    err.errno, f"no space left to write checkpoint {path}; free space in {path.parent} and resume "
+                    "with --ckpt_path last (the checkpoints saved before this one are intact)"
+                ) from err
+            raise
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        return safe_load(path, map_location=map_location)
+
+
+def safe_load(path, map_location: Any | None = "cpu") -> Any:
+    """torch.load with weights_only=True; a checkpoint that needs arbitrary unpickling is refused with its path."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(unsafe_message(path, err)) from None
+
+
+def unsafe_message(path, err: Exception) -> str:
+    # torch's own message is a page long; its last line names the offending global.
+    detail = [line.strip() for line in str(err).splitlines() if "Unsupported global" in line]
+    return (f"refusing to load {path}: it holds pickled objects other than tensors and plain containers, which could "
+            f"run code when loaded ({detail[0] if detail else type(err).__name__}); only use files from a trusted source")
+
+
+def _check_finite(state_dict: dict[str, Any], path: Path) -> None:
+    bad = [k for k, v in state_dict.items()
+           if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"not writing {path}: {len(bad)} weight tensor(s) hold NaN/inf (first: {bad[0]}); "
+            "the checkpoints saved before are kept"
+        )
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (the directory entry), where the OS allows opening a directory."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a usable checkpoint (empty, truncated, corrupt), or None when it is intact.
+
+    torch.save writes a zip archive; checking every member's CRC finds truncation and bit rot without unpickling.
+    """
+    try:
+        if path.stat().st_size == 0:
+            return "empty file"
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+        return f"corrupt member {bad}" if bad is not None else None
+    except zipfile.BadZipFile as err:
+        return f"truncated or not a checkpoint ({err})"
+    except OSError as err:
+        return f"unreadable ({err.strerror or err})"
+
+
+def newest_intact_checkpoint(folder: Path, first: Path | None = None) -> Path | None:
+    """The newest intact `*.ckpt` of `folder` (`first` is tried before the others); reports each broken one."""
+    candidates = sorted((p for p in folder.glob("*.ckpt") if not p.name.startswith(".")),
+                        key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"), reverse=True)
+    if first is not None:
+        candidates = [first] + [p for p in candidates if p != first]
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        # Moved aside, so that it neither shadows the checkpoints written next (ModelCheckpoint would write
+        # last-v1.ckpt beside a stale last.ckpt) nor gets picked again; kept for inspection.
+        aside = path.with_name(path.name + ".corrupt")
+        if rank_zero_only.rank == 0:
+            with contextlib.suppress(OSError):
+                os.replace(path, aside)
+        rank_zero_warn(f"checkpoint {path} is unusable: {problem}; moved it to {aside.name}, trying an older one")
+    return None
+
+
+def resolve_resume(ckpt_path: str | None, ckpt_dir: Path, auto_resume: bool) -> str | None:
+    """The checkpoint `fit` should resume from.
+
+    `last` (or `auto_resume` with no ckpt_path) means the newest intact checkpoint of the run's checkpoint folder,
+    whichever callback wrote it (the step-interval one or the best-k one). An explicit path that is broken falls
+    back to the newest intact checkpoint of its own folder.
+    """
+    if ckpt_path is None and not auto_resume:
+        return None
+    if ckpt_path in (None, "last"):
+        found = newest_intact_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+        if found is None:
+            if ckpt_path == "last":
+                rank_zero_warn(f"--ckpt_path last: no intact checkpoint in {ckpt_dir}; training from scratch")
+            return None
+        rank_zero_info(f"resuming from {found} ({'auto_resume' if ckpt_path is None else '--ckpt_path last'})")
+        return str(found)
+    if ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
+        return ckpt_path
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--ckpt_path {path} does not exist; use --ckpt_path last to resume the newest one")
+    found = newest_intact_checkpoint(path.parent, first=path)
+    if found is None:
+        raise ValueError(f"--ckpt_path {path} is unusable ({checkpoint_problem(path)}) and {path.parent} holds no "
+                         "intact checkpoint to fall back to")
+    if found != path:
+        rank_zero_info(f"resuming from {found} instead of the unusable {path}")
+    return str(found)

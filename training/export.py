@@ -1,0 +1,96 @@
+"""`imgcls export`: a checkpoint to a deployable ONNX or TorchScript model, with its preprocessing written beside it.
+
+    imgcls export --ckpt_path runs/quickstart/checkpoints/last.ckpt --format onnx
+    -> runs/quickstart/export/model.onnx and model.json (classes, input size, preprocessing steps)
+
+The exported graph maps a float batch (B, 3, H, W), already preprocessed, to logits (B, num_classes); the batch size
+is dynamic. Preprocessing stays outside the graph (decoders and resizers differ between serving stacks), and
+model.json lists it step by step: the torchvision eval transform of the training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from datamodules.presets import ClassificationPresetEval
+from lightning_modules import ImageClassifier
+
+FORMATS = ("onnx", "torchscript")
+
+
+def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
+    """The model in eval mode on the CPU, fp32, and the data hyperparameters it was trained with."""
+    ckpt_path = Path(ckpt_path)
+    if not ckpt_path.is_file():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
+    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu").float().eval()
+    data = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("datamodule_hyper_parameters", {})
+    return model, data
+
+
+def preprocessing(data: dict) -> dict:
+    """What a server must do to an RGB image before the model, from the run's eval transform."""
+    preset, size = data.get("preset", "imagenet"), int(data.get("image_size", 224))
+    steps = ClassificationPresetEval(preset=preset, image_size=size).transforms.transforms
+    return {
+        "input": "RGB image (decode grayscale/RGBA/16-bit to 8-bit RGB first)",
+        "preset": preset,
+        "image_size": size,
+        "steps": [repr(step) for step in steps],  # torchvision transforms v2, applied in order
+        "layout": "float32 (B, 3, H, W), channels RGB",
+    }
+
+
+def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -> Path:
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r} is unknown; choose one of {', '.join(FORMATS)}")
+    model, data = load_for_export(ckpt_path)
+    pre = preprocessing(data)
+    out = Path(out_dir) if out_dir else Path(ckpt_path).resolve().parent.parent / "export"
+    out.mkdir(parents=True, exist_ok=True)
+    example = torch.randn(2, 3, pre["image_size"], pre["image_size"])  # (B, 3, H, W)
+    net = model.net  # plain nn.Module: no Lightning in the deployed graph
+    if fmt == "onnx":
+        path = out / "model.onnx"
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        program = torch.onnx.export(net, (example,), input_names=["image"], output_names=["logits"],
+                                    dynamic_shapes=({0: batch},), verbose=False)
+        program.save(str(path))
+    else:
+        path = out / "model.pt"
+        with torch.no_grad():
+            torch.jit.trace(net, example).save(str(path))
+    meta = {
+        "format": fmt,
+        "model_file": path.name,
+        "checkpoint": str(Path(ckpt_path).resolve()),
+        "arch": model.hparams.arch,
+        "class_names": model.class_names,
+        "inputs": {"image": f"float32 (batch, 3, {pre['image_size']}, {pre['image_size']})"},
+        "outputs": {"logits": f"float32 (batch, {model.hparams.num_classes}); softmax gives probabilities"},
+        "preprocessing": pre,
+    }
+    (out / "model.json").write_text(json.dumps(meta, indent=2))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="imgcls export", description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by imgcls fit")
+    parser.add_argument("--format", default="onnx", choices=FORMATS)
+    parser.add_argument("--out", help="output folder (default: <run>/export next to checkpoints/)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        path = export(args.ckpt_path, args.format, args.out)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
+    print(f"wrote {path} and {path.with_name('model.json')} (preprocessing, class names)")
+
+
+if __name__ == "__main__":
+    main()

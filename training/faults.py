@@ -1,0 +1,149 @@
+"""Run-time fault guards added to every run: per-step seeding for exact resumes, preemption, non-finite losses."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class ExactResume(Callback):
+    """Makes a resumed run continue exactly like the uninterrupted one: same data position, same random numbers.
+
+    Data position: Lightning restores a StatefulDataLoader's position in `FitLoop.setup_data`, but only the first time
+    the train loader is built; `trainer.estimated_stepping_batches` (used by the model's LR schedule in
+    `configure_optimizers`) builds it earlier, before the checkpoint is restored, and the saved position is then
+    silently dropped and the epoch restarts from its first batch. The pending position is loaded here at
+    `on_train_start` and the loader's iterator re-created from it.
+
+    Random numbers: torch's global generator is seeded from (seed, global step, rank) before every training step, so
+    dropout and main-process augmentation depend only on the step, not on how many random numbers were drawn since the
+    process started. (Lightning does not checkpoint RNG states, and restoring a saved state would still be off by
+    whatever the loaders draw at an epoch boundary.)
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._base = 0
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # seed_everything exports its seed; without one the run is not reproducible anyway.
+        self._base = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        fit_loop = trainer.fit_loop
+        states = fit_loop._combined_loader_states_to_load
+        if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
+            return
+        fit_loop._combined_loader._load_state_dicts(states)
+        fit_loop._combined_loader_states_to_load = []
+        for loader in fit_loop._combined_loader.flattened:  # a DistributedSampler's order depends on the epoch
+            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+        if fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # Saved after an epoch's last batch: the restored iterator is spent. Running it out advances the sampler
+            # to the next epoch's order, which the next iterator follows (Lightning continues with it directly).
+            for loader in fit_loop._combined_loader.flattened:
+                if hasattr(loader, "load_state_dict"):
+                    for _ in loader:
+                        pass
+        iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        step_seed = (self._base * 1_000_003 + trainer.global_step) * 1_009 + trainer.global_rank
+        torch.manual_seed(step_seed % (2**63))
+
+
+class Preemption(Callback):
+    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel`, Kubernetes eviction): checkpoint at the next step end, exit.
+
+    Lightning's own handler only raises at an epoch boundary on one device (and exits 0, without a checkpoint), and
+    its SLURM handler saves from inside the signal handler, mid-step. Here the handler only sets a flag; the save
+    happens at the end of the current training step, where state is consistent, into the run's checkpoint folder as
+    `preempted.ckpt` (the newest checkpoint, so `--ckpt_path last` and `auto_resume` pick it up). The process then
+    exits with 128 + signal number, so a scheduler sees a failure and requeues. All ranks agree through one all-reduce
+    of a flag per step, so they save and exit together even when only one of them got the signal.
+    """
+
+    def __init__(self) -> None:
+        self._received: int = 0
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum, frame) -> None:
+        self._received = signum
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Installed after Lightning's signal connector, which it replaces for the duration of fit.
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handler)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        received = self._received
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            flag = torch.tensor([received], device=trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            received = int(flag.item())
+        if not received:
+            return
+        path = checkpoint_dir(trainer) / "preempted.ckpt"
+        trainer.save_checkpoint(path)  # collective: every rank calls it, rank 0 writes
+        name = signal.Signals(received).name
+        rank_zero_info(f"{name} received: saved {path} at step {trainer.global_step}; exiting with code "
+                       f"{128 + received}. Resume with the same command plus --ckpt_path last (or auto_resume).")
+        raise SystemExit(128 + received)
+
+
+class NonFiniteLossGuard(Callback):
+    """Stops the run at the first NaN/inf training loss, naming the step and the last good checkpoint.
+
+    It runs before ModelCheckpoint (Lightning orders checkpoint callbacks last), so the broken weights of that step
+    are never saved; AtomicCheckpointIO refuses non-finite weights as a second line of defence. For exploding
+    gradients set `trainer.gradient_clip_val`.
+    """
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is None or torch.isfinite(loss.detach()).all():
+            return
+        raise NonFiniteLossError(
+            f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
+            f"{batch_idx}); last good checkpoint: {last_good_checkpoint(trainer) or 'none yet'}. Lower model.lr, set "
+            "trainer.gradient_clip_val, or use precision 32-true, then resume with --ckpt_path last"
+        )
+
+
+def checkpoint_dir(trainer: Trainer) -> Path:
+    """The folder of the run's checkpoints: the first ModelCheckpoint's dirpath, else <run>/checkpoints."""
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            return Path(cb.dirpath)
+    return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def last_good_checkpoint(trainer: Trainer) -> str | None:
+    """The newest file any ModelCheckpoint has written in this run (or restored from)."""
+    paths = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
+             for p in (cb.last_model_path, cb.best_model_path, *cb.best_k_models) if p and Path(p).is_file()]
+    return max(paths, key=lambda p: Path(p).stat().st_mtime_ns) if paths else None
+
+
+def fault_callbacks() -> list[Callback]:
+    return [ExactResume(), Preemption(), NonFiniteLossGuard()]

@@ -1,0 +1,127 @@
+"""Validation pictures for the dashboards: a confusion matrix and a grid of misclassified images, every epoch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from torchmetrics.classification import MulticlassConfusionMatrix
+
+
+class ValidationFigures(Callback):
+    """Logs `val/confusion_matrix` and `val/misclassified` to TensorBoard and W&B, and keeps the latest of each as a
+    PNG in `<run>/figures/` (for CSV-only runs and `imgcls report`), the matrix also as `confusion_matrix.csv`.
+
+    The confusion matrix is a torchmetrics metric, so under DDP it counts every rank's images; the misclassified
+    grid shows the first `max_images` mistakes that rank 0 sees (cheap: no extra forward pass, the logits are taken
+    from the model's own forward through a hook).
+
+    Args:
+        max_images: misclassified images in the grid.
+        every_n_epochs: log every n-th validation epoch.
+    """
+
+    def __init__(self, max_images: int = 16, every_n_epochs: int = 1) -> None:
+        self.max_images = max_images
+        self.every_n_epochs = every_n_epochs
+        self._logits: torch.Tensor | None = None
+        self._hook = None
+        self._mistakes: list[tuple[torch.Tensor, int, int]] = []
+        self.confusion: MulticlassConfusionMatrix | None = None
+
+    def _active(self, trainer: Trainer) -> bool:
+        return not trainer.sanity_checking and trainer.current_epoch % self.every_n_epochs == 0
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._active(trainer):
+            return
+        if self.confusion is None:
+            self.confusion = MulticlassConfusionMatrix(pl_module.hparams.num_classes)
+        self.confusion = self.confusion.to(pl_module.device)
+        self.confusion.reset()
+        self._mistakes = []
+
+        def keep_logits(module, args, output):
+            # Under DDP, Lightning routes validation_step through the module's __call__ too (it returns None).
+            if isinstance(output, torch.Tensor):
+                self._logits = output.detach()  # (B, num_classes)
+
+        self._hook = pl_module.register_forward_hook(keep_logits)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._hook is None or self._logits is None:
+            return
+        x, y = batch
+        preds = self._logits.argmax(dim=1)
+        self.confusion.update(preds, y)
+        if trainer.is_global_zero and len(self._mistakes) < self.max_images:
+            for i in torch.nonzero(preds != y).flatten()[: self.max_images - len(self._mistakes)].tolist():
+                self._mistakes.append((x[i].float().cpu(), int(y[i]), int(preds[i])))
+        self._logits = None
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._hook is None:
+            return
+        self._hook.remove()
+        self._hook = None
+        matrix = self.confusion.compute()  # all ranks take part: the counts are summed across processes
+        if not trainer.is_global_zero:
+            return
+        names = pl_module.class_names
+        out = Path(trainer.default_root_dir) / "figures"
+        out.mkdir(parents=True, exist_ok=True)
+        np.savetxt(out / "confusion_matrix.csv", matrix.cpu().numpy(), fmt="%d", delimiter=",",
+                   header="rows: true class, columns: predicted class; " + ",".join(names))
+        fig, ax = self.confusion.plot(val=matrix.cpu(), labels=names if len(names) <= 30 else None)
+        ax.set_title(f"val confusion matrix, epoch {trainer.current_epoch}")
+        _publish(trainer, "val/confusion_matrix", fig)
+        fig = misclassified_grid(self._mistakes, names)
+        _publish(trainer, "val/misclassified", fig)
+        self._mistakes = []
+
+
+def misclassified_grid(mistakes: list[tuple[torch.Tensor, int, int]], names: list[str]) -> plt.Figure:
+    """A grid of (image (3, H, W), true class, predicted class), titled "true -> predicted"."""
+    cols = 4
+    rows = max(1, -(-len(mistakes) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(2 * cols, 2.2 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, (image, true, pred) in zip(axes.flat, mistakes, strict=False):
+        ax.imshow(to_display(image))
+        ax.set_title(f"{names[true]} -> {names[pred]}", fontsize=9, color="tab:red")
+    if not mistakes:
+        axes.flat[0].text(0.5, 0.5, "no mistakes", ha="center", va="center")
+    fig.tight_layout()
+    return fig
+
+
+def to_display(image: torch.Tensor) -> np.ndarray:
+    """(3, H, W) normalised tensor -> (H, W, 3) floats in [0, 1], min-max scaled (the preset's mean/std vary)."""
+    array = image.permute(1, 2, 0).numpy()
+    low, high = array.min(), array.max()
+    return (array - low) / (high - low) if high > low else np.zeros_like(array)
+
+
+def _figure_to_array(fig: plt.Figure) -> np.ndarray:
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
+
+
+def _publish(trainer: Trainer, tag: str, fig: plt.Figure) -> None:
+    """Send one figure to every logger that shows images, and overwrite `<run>/figures/<name>.png`."""
+    step = trainer.global_step
+    image = _figure_to_array(fig)
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_image(tag, image, global_step=step, dataformats="HWC")
+        elif isinstance(logger, WandbLogger):
+            logger.log_image(key=tag, images=[image], step=step)
+    out = Path(trainer.default_root_dir) / "figures"
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / f"{tag.split('/')[-1]}.png", dpi=100)
+    plt.close(fig)
