@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -110,3 +111,10 @@ def photo_folder(count: int, *, width: int = 500, height: int = 375, classes: in
 def mean_jpeg_kb(root: Path) -> float:
     sizes = [p.stat().st_size for p in root.glob("train/*/*.jpg")]
     return sum(sizes) / len(sizes) / 1e3
+
+
+def standalone(main: Callable[[bool], str], doc: str) -> None:
+    """`python -m benchmarks.NAME [--quick]`: run one benchmark and print its section."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
+    print(main(parser.parse_args().quick))

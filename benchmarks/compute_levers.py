@@ -9,7 +9,6 @@ The levers are the model and trainer options a config sets: channels_last (model
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved, lap_times, section, table
+from benchmarks.common import interleaved, lap_times, section, standalone, table
 from lightning_modules.network import build_resnet
 
 BASELINE = "baseline: fp32, NCHW, eager, for-loop SGD"
@@ -118,6 +117,4 @@ def main(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
-    print(main(parser.parse_args().quick))
+    standalone(main, __doc__)

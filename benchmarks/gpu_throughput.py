@@ -8,12 +8,11 @@ synthetic batch already on the GPU, so the figure is the compute ceiling the inp
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from benchmarks.common import section, table
+from benchmarks.common import section, standalone, table
 from benchmarks.compute_levers import train_step
 
 # Dense fp16/bf16 tensor-core peaks (FLOP/s) of common training GPUs, from the vendors' data sheets.
@@ -66,6 +65,4 @@ def main(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
-    print(main(parser.parse_args().quick))
+    standalone(main, __doc__)

@@ -9,7 +9,6 @@ variants also convert to float and normalize in the loader, the DataModule leave
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
@@ -19,7 +18,16 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets
 from torchvision import transforms as T
 
-from benchmarks.common import cores, interleaved, lap_times, mean_jpeg_kb, photo_folder, section, table
+from benchmarks.common import (
+    cores,
+    interleaved,
+    lap_times,
+    mean_jpeg_kb,
+    photo_folder,
+    section,
+    standalone,
+    table,
+)
 from benchmarks.compute_levers import train_step
 from datamodules import ClassificationPresetTrain, ImageFolderDataModule
 from datamodules.images import load_rgb
@@ -155,6 +163,4 @@ def main(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
-    print(main(parser.parse_args().quick))
+    standalone(main, __doc__)

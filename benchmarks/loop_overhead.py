@@ -9,7 +9,6 @@ training-accuracy metric and `self.log` calls; the ratio of steps/s says what th
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import interleaved, section, table
+from benchmarks.common import interleaved, section, standalone, table
 from lightning_modules import ImageClassifier
 from lightning_modules.network import build_resnet
 
@@ -108,6 +107,4 @@ def main(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
-    print(main(parser.parse_args().quick))
+    standalone(main, __doc__)

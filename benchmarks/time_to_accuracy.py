@@ -9,7 +9,6 @@ start of reading the PNGs, in the same benchmark run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -23,7 +22,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import section, table
+from benchmarks.common import section, standalone, table
 from datamodules.demo import build_demo_data
 from datamodules.images import find_classes, read_image, scan_split
 from lightning_modules.network import build_resnet
@@ -161,6 +160,4 @@ def main(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one tiny epoch, to check that it runs")
-    print(main(parser.parse_args().quick))
+    standalone(main, __doc__)
