@@ -9,7 +9,7 @@ DATA   ?= data/digits
 CONFIG ?= configs/quickstart.yaml
 RUNS   ?= runs
 
-.PHONY: install train data test test-fast bench dashboard lint clean
+.PHONY: install train data test test-fast bench bench-quick dashboard lint clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m benchmarks.run --quick --out $(RUNS)/PERFORMANCE-quick.md
 
 dashboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUNS) --host 127.0.0.1

@@ -16,8 +16,14 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from datamodules.images import find_classes, list_images, load_rgb, scan_split
-from datamodules.presets import PRESETS, ClassificationPresetEval, ClassificationPresetTrain, Preset
+from datamodules.images import find_classes, list_images, read_image, scan_split
+from datamodules.presets import (
+    PRESETS,
+    ClassificationPresetEval,
+    ClassificationPresetTrain,
+    Preset,
+    float_transform,
+)
 from datamodules.validation import bad_images_message, find_bad_images
 
 log = logging.getLogger(__name__)
@@ -55,7 +61,7 @@ class PredictImages(Dataset):
 def _load(path: str):
     # A file that broke after the start-of-fit scan: name it, instead of a bare PIL error from a worker.
     try:
-        return load_rgb(path)
+        return read_image(path)
     except Exception as err:
         raise RuntimeError(f"cannot read image {path}: {err}; remove or replace it (data.bad_images: skip "
                            "drops unreadable files at the start of fit)") from err
@@ -83,6 +89,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         persistent_workers: keep loader processes alive between epochs.
         pin_memory: page-locked host memory for faster copies; null means "when training on CUDA".
         predict_dir: folder of images (nested folders allowed) for ``imgcls predict``.
+        normalize_on_device: workers yield uint8 batches and the float conversion and normalization run after the
+            copy to the device (same values, 4x fewer bytes moved); false yields float batches from the workers.
         bad_images: what to do with files that cannot be decoded, found by a scan at setup: ``raise`` (list them
             all and stop before training) or ``skip`` (log them and train on the rest).
     """
@@ -100,6 +108,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         persistent_workers: bool = True,
         pin_memory: bool | None = None,
         predict_dir: str | None = None,
+        normalize_on_device: bool = True,
         bad_images: Literal["raise", "skip"] = "raise",
     ) -> None:
         super().__init__()
@@ -116,6 +125,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
         self.predict_dir = Path(predict_dir).expanduser() if predict_dir is not None else None
+        self.normalize_on_device = normalize_on_device
+        self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
         self.bad_images = bad_images
         # Class names are read now (a directory listing, cheap) so that the CLI can link them into the model.
         self.class_names: list[str] | None = self._read_class_names() if self.root is not None else None
@@ -147,8 +158,9 @@ class ImageFolderDataModule(L.LightningDataModule):
     # ---- datasets -------------------------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
-        train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.image_size)
-        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.image_size)
+        uint8 = self.normalize_on_device
+        train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.image_size, uint8_output=uint8)
+        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.image_size, uint8_output=uint8)
         if stage == "predict":
             if self.predict_dir is None:
                 raise ValueError("data.predict_dir is not set; pass --data.predict_dir FOLDER_OF_IMAGES")
@@ -256,6 +268,13 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_set, shuffle=False)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """uint8 images -> float32, normalized, on the device; the second element (targets or indices) is kept."""
+        x, y = batch
+        if x.dtype == torch.uint8:
+            x = self.float_transform(x)
+        return x, y
 
 
 def _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks of imgcls against plain baselines, run by `make bench`; results go to docs/PERFORMANCE.md."""

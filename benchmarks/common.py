@@ -1,0 +1,120 @@
+"""Shared benchmark helpers: the machine line, interleaved timing with medians, Markdown tables, photo-like JPEGs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine() -> str:
+    """One line naming what the figures were measured on, and how busy it was."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu_model()}, {cores()} cores, {gpu}; torch {torch.__version__}; "
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; 1-minute load average {load:.1f}")
+
+
+def interleaved(candidates: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, float]:
+    """Median of the per-item times each candidate returns, running candidates round-robin `reps` times.
+
+    Round-robin spreads the load of a shared machine over every candidate alike; the median of many short
+    intervals ignores the ones where another process held the core.
+    """
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(reps):
+        for name, run in candidates.items():
+            times[name].extend(run())
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def lap_times(steps: int, step: Callable[[], object]) -> list[float]:
+    """Seconds of each of `steps` calls of `step`."""
+    laps = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        laps.append(time.perf_counter() - start)
+    return laps
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def section(title: str, body: str, settings: str) -> str:
+    return f"## {title}\n\n{body}\n\n_{settings}. Machine: {machine()}._\n"
+
+
+def photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
+    """A photo-like RGB image: smooth colour fields, mid-scale texture and sensor noise.
+
+    Pure noise compresses badly and flat colour too well; this mix gives JPEGs of ImageNet-like size
+    (about 70 KB at 500x375, quality 90), so decode times are realistic.
+    """
+    def smooth(cells_y: int, cells_x: int) -> np.ndarray:
+        cells = Image.fromarray(rng.integers(0, 256, (cells_y, cells_x, 3), dtype=np.uint8))
+        return np.asarray(cells.resize((width, height), Image.BICUBIC), dtype=np.float32)
+
+    pixels = 0.6 * smooth(6, 8) + 0.3 * smooth(max(2, height // 8), max(2, width // 8))
+    pixels += rng.normal(0.0, 10.0, (height, width, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def photo_folder(count: int, *, width: int = 500, height: int = 375, classes: int = 10) -> Path:
+    """An image-folder tree (train/ and a small val/) of `count` photo-like JPEGs, cached in the temp folder."""
+    root = Path(tempfile.gettempdir()) / f"imgcls-bench-photos-{count}-{width}x{height}"
+    done = root / ".complete"
+    if done.is_file():
+        return root
+    rng = np.random.default_rng(0)
+    for split, n in (("train", count), ("val", max(classes, count // 10))):
+        for i in range(n):
+            folder = root / split / f"class{i % classes:02d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            photo(rng, width, height).save(folder / f"{i:05d}.jpg", quality=90)
+    done.touch()
+    return root
+
+
+def mean_jpeg_kb(root: Path) -> float:
+    sizes = [p.stat().st_size for p in root.glob("train/*/*.jpg")]
+    return sum(sizes) / len(sizes) / 1e3
+
+
+def standalone(main: Callable[[bool], str], doc: str) -> None:
+    """`python -m benchmarks.NAME [--quick]`: run one benchmark and print its section."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
+    print(main(parser.parse_args().quick))

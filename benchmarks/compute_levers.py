@@ -1,0 +1,120 @@
+"""Compute levers: each option's speed-up of a ResNet-50 training step on this machine, at 64 px and 224 px.
+
+    python -m benchmarks.compute_levers [--quick]
+
+The levers are the model and trainer options a config sets: channels_last (model.channels_last), bf16 autocast
+(trainer.precision bf16-mixed; 16-mixed on CUDA), torch.compile (model.compile) and foreach / fused optimizers
+(model.optimizer_impl). Each is timed alone against the fp32, NCHW, eager, for-loop-SGD baseline, in the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import interleaved, lap_times, section, standalone, table
+from lightning_modules.network import build_resnet
+
+BASELINE = "baseline: fp32, NCHW, eager, for-loop SGD"
+LEVERS: dict[str, dict] = {
+    BASELINE: {},
+    "channels_last": {"channels_last": True},
+    "bf16 autocast": {"bf16": True},
+    "torch.compile": {"compile": True},
+    "foreach SGD": {"impl": "foreach"},
+    "fused SGD": {"impl": "fused"},
+    "all four: channels_last, bf16, compile, fused SGD": {"channels_last": True, "bf16": True, "compile": True,
+                                                          "impl": "fused"},
+}
+
+
+def train_step(*, arch: str = "resnet50", size: int = 224, batch: int = 8, channels_last: bool = False,
+               bf16: bool = False, compile: bool = False, impl: str = "default",
+               device: str = "cpu") -> Callable[[], None]:
+    """One SGD step of the project's network on a fixed synthetic batch (B, 3, size, size), as a callable."""
+    torch.manual_seed(0)
+    net = build_resnet(arch, None, 1024, 0.2, 10).to(device)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    if compile:
+        net.compile()
+    extra = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, **extra)
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        ctx = torch.autocast(device, dtype=dtype) if bf16 else contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return step
+
+
+def measure(levers: dict[str, dict], size: int, batch: int, steps: int, reps: int,
+            arch: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per step of every lever, interleaved; and the seconds of each lever's first two steps."""
+    candidates, first = {}, {}
+    for name, options in levers.items():
+        step = train_step(arch=arch, size=size, batch=batch, **options)
+        start = time.perf_counter()
+        step()  # warm-up: allocator, oneDNN primitives, compilation for torch.compile
+        step()
+        first[name] = time.perf_counter() - start
+        candidates[name] = lambda step=step: lap_times(steps, step)
+    return interleaved(candidates, reps), first
+
+
+def main(quick: bool = False) -> str:
+    arch = "resnet18" if quick else "resnet50"
+    # (size, batch, steps per turn, turns): one step per turn, so load from other processes hits every lever alike.
+    settings = [(32, 4, 1, 1), (64, 4, 1, 1)] if quick else [(64, 16, 1, 9), (224, 8, 1, 6)]
+    # Compiling a ResNet-50 training step takes about 4 minutes on 2 busy CPU cores, per graph: the full mode
+    # compiles at the smaller size only, the quick mode not at all.
+    compile_sizes = () if quick else (64,)
+    levers = {k: v for k, v in LEVERS.items() if not (quick and v.get("compile"))}
+    rows, notes = [], []
+    per_size = {}
+    for size, batch, steps, reps in settings:
+        here = {k: v for k, v in levers.items() if size in compile_sizes or not v.get("compile")}
+        per_size[size] = measure(here, size, batch, steps, reps, arch)
+    for name in levers:
+        row = [name]
+        for size, batch, *_ in settings:
+            times, _ = per_size[size]
+            row += [batch / times[name], times[BASELINE] / times[name]] if name in times else ["not run", ""]
+        rows.append(row)
+    for size in compile_sizes:
+        _, first = per_size[size]
+        notes.append(f"{size} px: first two steps {first['torch.compile']:.0f} s with compile "
+                     f"vs {first[BASELINE]:.1f} s eager")
+    headers = ["lever"]
+    for size, batch, *_ in settings:
+        headers += [f"{size} px img/s (batch {batch})", f"{size} px speed-up"]
+    body = table(headers, rows)
+    body += ("\n\nCompilation cost, paid once per run: " + "; ".join(notes) + ".") if notes else (
+        "\n\nQuick mode: compile levers left out.")
+    if not quick:
+        body += " At 224 px the compile levers are not run on this CPU (another ~4 minutes per graph)."
+    return section(
+        "Compute levers",
+        body,
+        f"{arch} (the project's network, 1024-unit head), SGD with Nesterov momentum, synthetic batches on the CPU, "
+        f"{torch.get_num_threads()} threads; speed-up = baseline step time / lever step time, medians of "
+        "interleaved steps. `python -m benchmarks.compute_levers`",
+    )
+
+
+if __name__ == "__main__":
+    standalone(main, __doc__)

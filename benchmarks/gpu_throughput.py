@@ -1,0 +1,68 @@
+"""GPU throughput: ResNet-50 training images/s and estimated FLOP utilisation on a CUDA device; skips without one.
+
+    python -m benchmarks.gpu_throughput [--quick]
+
+The step is the production recipe: channels_last, fp16 autocast (16-mixed), torch.compile and fused SGD, on a
+synthetic batch already on the GPU, so the figure is the compute ceiling the input pipeline has to feed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks.common import section, standalone, table
+from benchmarks.compute_levers import train_step
+
+# Dense fp16/bf16 tensor-core peaks (FLOP/s) of common training GPUs, from the vendors' data sheets.
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+def peak_flops(name: str) -> float | None:
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def step_flops(batch: int) -> float:
+    """FLOPs of one ResNet-50 training step (forward and backward), counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step = train_step(arch="resnet50", size=224, batch=batch, device="cuda")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return float(counter.get_total_flops())
+
+
+def main(quick: bool = False) -> str:
+    title = "GPU throughput"
+    if not torch.cuda.is_available():
+        return f"## {title}\n\nSkipped: no CUDA device on this machine.\n"
+    name = torch.cuda.get_device_name(0)
+    batch, steps = (32, 3) if quick else (256, 30)
+    rows = []
+    flops = step_flops(batch) / batch
+    peak = peak_flops(name)
+    for label, options in (("fp32, NCHW, eager", {}),
+                           ("channels_last + 16-mixed + fused SGD", {"channels_last": True, "bf16": True,
+                                                                      "impl": "fused"}),
+                           ("the same + torch.compile (production)", {"channels_last": True, "bf16": True,
+                                                                      "impl": "fused", "compile": True})):
+        step = train_step(arch="resnet50", size=224, batch=batch, device="cuda", **options)
+        for _ in range(3):  # warm-up: cuDNN autotuning, compilation
+            step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()  # synchronizes on CUDA
+        rate = batch * steps / (time.perf_counter() - start)
+        rows.append([label, rate, f"{rate * flops / peak:.0%}" if peak else "unknown peak"])
+    body = table(["recipe", "img/s", "FLOP utilisation"], rows)
+    body += f"\n\n{flops / 1e9:.1f} GFLOP per image and step (forward + backward, counted)"
+    body += f"; peak taken as {peak / 1e12:.0f} TFLOP/s (dense fp16)." if peak else "."
+    return section(title, body, f"{name}, resnet50 at 224 px, batch {batch}, {steps} timed steps, synthetic data on "
+                   "the GPU. `python -m benchmarks.gpu_throughput`")
+
+
+if __name__ == "__main__":
+    standalone(main, __doc__)

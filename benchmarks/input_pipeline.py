@@ -1,0 +1,166 @@
+"""Input pipeline: images/s of the DataModule's training loader against torchvision ImageFolder + PIL + transforms v1.
+
+    python -m benchmarks.input_pipeline [--quick]
+
+Data: photo-like 500x375 JPEGs (the mean ImageNet size) written once to the temp folder. Every loader does the
+ImageNet training recipe at 224 px (RandomResizedCrop, horizontal flip, collate); the baseline and the float
+variants also convert to float and normalize in the loader, the DataModule leaves that to the device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchvision import datasets
+from torchvision import transforms as T
+
+from benchmarks.common import (
+    cores,
+    interleaved,
+    lap_times,
+    mean_jpeg_kb,
+    photo_folder,
+    section,
+    standalone,
+    table,
+)
+from benchmarks.compute_levers import train_step
+from datamodules import ClassificationPresetTrain, ImageFolderDataModule
+from datamodules.images import load_rgb
+from datamodules.presets import IMAGENET_MEAN, IMAGENET_STD
+
+BASELINE = "torchvision ImageFolder + PIL + transforms v1 (baseline)"
+# ResNet-50 training throughput on one A100 with AMP (NVIDIA's reference), to size the loader for a GPU.
+A100_IMAGES_PER_S = 2470
+
+
+class _PilFiles(Dataset):
+    """The pipeline before torchvision.io decoding: PIL decode, then the v2 preset (float output)."""
+
+    def __init__(self, samples, transform) -> None:
+        self.samples, self.transform = samples, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        path, target = self.samples[i]
+        return self.transform(load_rgb(path)), target
+
+
+def loaders(root, size: int, batch: int, workers: int) -> dict[str, tuple[Callable[[], DataLoader], Callable]]:
+    """name -> (make a loader, what runs on the batch after the loader: the device stage, or nothing)."""
+    common = dict(batch_size=batch, shuffle=True, drop_last=True, num_workers=workers)
+    v1 = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+    def datamodule(on_device: bool) -> ImageFolderDataModule:
+        dm = ImageFolderDataModule(root=str(root), batch_size=batch, num_workers=workers, image_size=size,
+                                   persistent_workers=False, normalize_on_device=on_device)
+        dm.setup("fit")
+        return dm
+
+    float_dm, fast_dm = datamodule(False), datamodule(True)
+    pil = _PilFiles(float_dm.train_set.samples, ClassificationPresetTrain(image_size=size))
+
+    def identity(batch):
+        return batch
+
+    def normalize(batch):
+        return fast_dm.on_after_batch_transfer(batch, 0)
+
+    return {
+        BASELINE: (lambda: DataLoader(datasets.ImageFolder(str(root / "train"), transform=v1), **common), identity),
+        "PIL decode + v2 uint8 crop, float in loader": (lambda: DataLoader(pil, **common), identity),
+        "torchvision.io decode + v2, float in loader": (float_dm.train_dataloader, identity),
+        "DataModule: torchvision.io decode + v2, uint8 batches": (fast_dm.train_dataloader, identity),
+        "the same + float/normalize on this CPU (the device here)": (fast_dm.train_dataloader, normalize),
+    }
+
+
+def per_image_laps(make: Callable[[], DataLoader], after: Callable, batches: int) -> list[float]:
+    """Seconds per image of each batch, loaded in this process (num_workers=0)."""
+    it, laps = iter(make()), []
+    for _ in range(batches):
+        start = time.perf_counter()
+        x, _ = after(next(it))
+        laps.append((time.perf_counter() - start) / x.shape[0])
+    return laps
+
+
+def per_image_with_workers(make: Callable[[], DataLoader], batches: int, skip: int) -> list[float]:
+    """Seconds per image over `batches` batches once `skip` have arrived (worker start-up is not counted).
+
+    One figure per run, not per batch: workers finish their batches at about the same time, so single
+    batches arrive in bursts and only the total rate is meaningful.
+    """
+    it = iter(make())
+    for _ in range(skip):
+        next(it)
+    start, images = time.perf_counter(), 0
+    for _ in range(batches):
+        images += len(next(it)[0])
+    seconds = time.perf_counter() - start
+    del it  # shuts the workers down
+    return [seconds / images]
+
+
+def main(quick: bool = False) -> str:
+    count, (w, h) = (50, (160, 120)) if quick else (2000, (500, 375))
+    # One batch per turn, many turns: bursts of load from other processes spread over every candidate alike.
+    size, batch, batches, reps = (64, 8, 1, 2) if quick else (224, 64, 1, 24)
+    root = photo_folder(count, width=w, height=h)
+
+    # One core: the loader runs in this process (num_workers=0) with one torch thread, as in a loader worker
+    # (DataLoader sets that), so images/s is per core.
+    one = {name: (lambda m=make, a=after: per_image_laps(m, a, batches))
+           for name, (make, after) in loaders(root, size, batch, 0).items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t1 = interleaved(one, reps)
+    finally:
+        torch.set_num_threads(threads)
+    # All cores: worker processes; the first batches (worker start-up, first prefetch) are not counted.
+    workers = cores()
+    multi = loaders(root, size, batch, workers)
+    fast = "DataModule: torchvision.io decode + v2, uint8 batches"
+    worker_batches, worker_reps = (2, 1) if quick else (8, 5)
+    tn = interleaved({name: (lambda m=multi[name][0]: per_image_with_workers(m, worker_batches, workers))
+                      for name in (BASELINE, fast)}, worker_reps)
+    rows = [[name, 1 / t, t1[BASELINE] / t, 1 / tn[name] if name in tn else "",
+             tn[BASELINE] / tn[name] if name in tn else ""] for name, t in t1.items()]
+    body = table(["loader", "img/s, 1 core", "vs baseline (target >= 2x)", f"img/s, {workers} workers",
+                  f"vs baseline, {workers} workers"], rows)
+
+    # How many loader cores feed the training step: step images/s / loader images/s per core.
+    arch, step_size, step_batch = ("resnet18", 64, 4) if quick else ("resnet50", 224, 8)
+    step = train_step(arch=arch, size=step_size, batch=step_batch, channels_last=True, bf16=True)
+    step()
+    step_rate = step_batch / min(lap_times(2, step))
+    loader_rate = 1 / t1["the same + float/normalize on this CPU (the device here)"]
+    fast_rate = 1 / t1[fast]
+    body += (
+        f"\n\nFeeding the model: the {arch} training step (bf16, channels_last, batch {step_batch}) runs at "
+        f"{step_rate:.1f} img/s on this CPU, so {max(1, math.ceil(step_rate / loader_rate))} loader worker "
+        f"({step_rate / loader_rate:.2g} of a core) keeps it fed at {step_size} px. A GPU that trains ResNet-50 at "
+        f"{A100_IMAGES_PER_S:,} img/s (one A100, AMP) needs {math.ceil(A100_IMAGES_PER_S / fast_rate)} cores of "
+        f"this speed at {fast_rate:.0f} img/s each (vs {math.ceil(A100_IMAGES_PER_S * t1[BASELINE])} with the "
+        "baseline loader): set data.num_workers to that, or as many CPUs as the node gives each GPU."
+    )
+    return section(
+        "Input pipeline",
+        body,
+        f"{count} photo-like {w}x{h} JPEGs (mean {mean_jpeg_kb(root):.0f} KB), {size} px RandomResizedCrop + "
+        f"flip, batch {batch}; 1 core: medians of {reps} interleaved batches, one torch thread; {workers} workers: "
+        f"medians of {worker_reps} interleaved runs of {worker_batches} batches after start-up. "
+        "`python -m benchmarks.input_pipeline`",
+    )
+
+
+if __name__ == "__main__":
+    standalone(main, __doc__)

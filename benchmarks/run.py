@@ -1,0 +1,83 @@
+"""Runs every benchmark and writes docs/PERFORMANCE.md.
+
+    python -m benchmarks.run            # full sizes (`make bench`), about 20 minutes on 2 CPU cores
+    python -m benchmarks.run --quick    # tiny sizes, only to check that everything runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.common import machine
+
+ROOT = Path(__file__).resolve().parents[1]
+# Order of the sections in docs/PERFORMANCE.md.
+BENCHMARKS = ("input_pipeline", "loop_overhead", "compute_levers", "distributed", "time_to_accuracy",
+              "gpu_throughput")
+
+INTRO = """# Performance
+
+Every figure below is a ratio against a baseline measured in the same run, because the machine that produced them
+may be shared: loader, loop and lever candidates are interleaved and their medians taken; the two time-to-accuracy
+runs go one after the other, so other load during one of them skews that ratio. Regenerate with `make bench`
+(`make bench-quick` only checks that the benchmarks run; `python -m benchmarks.run --only NAME` re-runs one
+section in place). Each section names the command that reproduces it alone.
+"""
+
+
+def run(names: tuple[str, ...] = BENCHMARKS, quick: bool = False) -> str:
+    sections = []
+    for name in names:
+        try:
+            module = importlib.import_module(f"benchmarks.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"benchmarks.{name}":
+                raise
+            sections.append(f"## {name}\n\nNot run: benchmarks/{name}.py is not in this checkout.\n")
+            continue
+        start = time.perf_counter()
+        print(f"running benchmarks.{name}{' --quick' if quick else ''} ...", flush=True)
+        try:
+            text = module.main(quick=quick)
+        except Exception:  # one broken benchmark must not lose the others' figures
+            text = f"## {name}\n\nFailed:\n\n```\n{traceback.format_exc(limit=5)}```\n"
+        print(text, flush=True)
+        sections.append(text + f"\n_Took {time.perf_counter() - start:.0f} s._\n")
+    mode = "quick mode (tiny sizes: checks only, not figures)" if quick else "full mode"
+    return INTRO + f"\nGenerated in {mode} on: {machine()}.\n\n" + "\n".join(sections)
+
+
+def replace_sections(document: str, update: str) -> str:
+    """`document` with each "## " section of `update` put in place of the section of the same title."""
+    def split(text: str) -> tuple[str, dict[str, str]]:
+        head, *parts = text.split("\n## ")
+        return head, {p.partition("\n")[0]: "\n## " + p for p in parts}
+
+    head, old = split(document)
+    _, new = split(update)
+    return head + "".join(new.get(title, body) for title, body in old.items())
+
+
+def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = ()) -> Path:
+    out = out or ROOT / "docs" / "PERFORMANCE.md"
+    text = run(only or BENCHMARKS, quick=quick)
+    if only and out.is_file():  # re-run some benchmarks: keep the other sections' figures
+        text = replace_sections(out.read_text(), text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs")
+    parser.add_argument("--out", type=Path, default=None, help="where to write (default docs/PERFORMANCE.md)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=(),
+                        help="run these and replace their sections in --out, keeping the others")
+    args = parser.parse_args()
+    main(args.quick, args.out, tuple(args.only))

@@ -1,0 +1,74 @@
+"""Smoke test of the benchmark suite in quick mode: every benchmark runs and writes its table (no timings checked)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from benchmarks import run
+from benchmarks.common import interleaved, table
+
+
+def _tables(markdown: str) -> dict[str, list[list[str]]]:
+    """Section title -> rows (header first) of the first Markdown table under it."""
+    found = {}
+    for block in markdown.split("\n## ")[1:]:
+        title, _, rest = block.partition("\n")
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in rest.splitlines()
+                if line.startswith("|") and not line.startswith("|---")]
+        found[title.strip()] = rows
+    return found
+
+
+def _num(cell: str) -> float:
+    return float(cell.replace(",", ""))  # table() writes 1,234
+
+
+def test_quick_run_writes_every_section_with_its_table(tmp_path):
+    out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md")
+    text = out.read_text()
+    assert "Failed" not in text, text
+    assert re.search(r"Generated in quick mode .* cores", text)
+    tables = _tables(text)
+
+    pipeline = tables["Input pipeline"]
+    assert pipeline[0][:3] == ["loader", "img/s, 1 core", "vs baseline (target >= 2x)"]
+    names = [r[0] for r in pipeline[1:]]
+    assert names[0].endswith("(baseline)") and len(names) == 5
+    assert _num(pipeline[1][2]) == 1.0 and all(_num(r[1]) > 0 for r in pipeline[1:])
+    assert "loader worker" in text
+
+    overhead = tables["Training-loop overhead"]
+    assert overhead[0][-1] == "ratio (target >= 0.97)" and len(overhead) == 2 and _num(overhead[1][-1]) > 0
+
+    levers = tables["Compute levers"]
+    assert [r[0] for r in levers[1:]] == ["baseline: fp32, NCHW, eager, for-loop SGD", "channels_last",
+                                          "bf16 autocast", "foreach SGD", "fused SGD"]
+    assert levers[0][1:] == ["32 px img/s (batch 4)", "32 px speed-up", "64 px img/s (batch 4)", "64 px speed-up"]
+    assert _num(levers[1][2]) == 1.0
+
+    tta = tables["Time to accuracy"]
+    assert [r[0] for r in tta[1:]] == ["plain PyTorch loop, tensors in memory",
+                                       "imgcls fit (PNG files, loader, Lightning)", "imgcls / plain (target <= 1.2)"]
+    assert tta[0][1:3] == ["time to 97% val/acc", "time to 99% val/acc"]
+
+    gpu = text.split("## GPU throughput", 1)[1]
+    assert ("Skipped: no CUDA device" in gpu) == (not torch.cuda.is_available())
+    assert "## distributed" in text or "Distributed" in text  # its own section, or a note that it is absent
+
+
+def test_interleaved_takes_medians_round_robin():
+    calls = []
+    result = interleaved({"a": lambda: calls.append("a") or [1.0, 9.0, 2.0], "b": lambda: calls.append("b") or [4.0]},
+                         reps=2)
+    assert calls == ["a", "b", "a", "b"]
+    assert result == {"a": 2.0, "b": 4.0}
+    assert table(["x", "y"], [["r", 1234.5]]) == "| x | y |\n|---|---|\n| r | 1,234 |"
+
+
+def test_rerunning_some_benchmarks_keeps_the_other_sections():
+    document = "# Performance\nintro\n\n## Input pipeline\n\nold 1\n\n## Compute levers\n\nold 2\n"
+    update = "# Performance\nother intro\n\n## Compute levers\n\nnew 2\n"
+    assert run.replace_sections(document, update) == (
+        "# Performance\nintro\n\n## Input pipeline\n\nold 1\n\n## Compute levers\n\nnew 2\n")
