@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import FSDPStrategy
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -99,7 +98,3 @@ class Probe(Callback):
             self.record["powersgd"] = strategy._ddp_comm_hook.state_dict(state)
         torch.save(self.record, self.out / f"rank{trainer.global_rank}.pt")
 
-
-class CPUFSDPStrategy(FSDPStrategy):
-    """Lightning's FSDPStrategy, let through on CPU: Lightning rejects `FSDPStrategy` itself without a GPU
-    accelerator (an exact-type check that a subclass passes), while torch's FSDP runs on CPU with gloo."""

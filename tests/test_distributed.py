@@ -13,7 +13,7 @@ from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from lightning_modules.network import build_resnet
 from tests.distributed_probe import Probe
-from tests.helpers import free_port, make_image_folder
+from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
 from training.cli import ImgclsCLI
 from training.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
 
@@ -199,3 +199,27 @@ def test_powersgd_error_memory_follows_parameters_when_buckets_change(monkeypatc
     saved = hook.state_dict(state)
     assert saved["iter"] == 5 and set(saved["error"]) == set(params)
     torch.testing.assert_close(saved["error"]["w1"], errors["w1"] + 30)  # after layout B's step
+
+
+def test_fsdp_config_builds_block_wrapped_fsdp_for_large_backbones():
+    """configs/fsdp.yaml over the 8-GPU config: resnet152, FSDP with one unit and checkpoint per Bottleneck block."""
+    import yaml
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import FSDPStrategy, Strategy
+    from torchvision.models.resnet import Bottleneck
+
+    proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
+                   "--print_config", timeout=120)
+    config = yaml.safe_load(proc.stdout)
+    assert config["model"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
+    strategy_config = config["trainer"]["strategy"]
+    assert strategy_config["class_path"] == "lightning.pytorch.strategies.FSDPStrategy"
+
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(Strategy, "strategy")
+    fsdp_yaml = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["trainer"]["strategy"]
+    strategy = parser.instantiate_classes(parser.parse_object({"strategy": fsdp_yaml})).strategy
+    assert type(strategy) is FSDPStrategy
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
+    assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
+    assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "full"
