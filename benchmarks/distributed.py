@@ -134,7 +134,13 @@ def run_jobs(world: int, jobs: list[dict]) -> list[dict]:
     """Run each job (one model per compression mode) in `world` gloo processes; rank 0's figures."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.pt")
-        mp.spawn(_worker, args=(world, _free_port(), jobs, out), nprocs=world, join=True)
+        for attempt in range(3):  # a port found free can be taken by another program before gloo binds it
+            try:
+                mp.spawn(_worker, args=(world, _free_port(), jobs, out), nprocs=world, join=True)
+                break
+            except mp.ProcessExitedException:
+                if attempt == 2:
+                    raise
         return torch.load(out, weights_only=True)
 
 
