@@ -228,7 +228,6 @@ class ImageFolderDataModule(L.LightningDataModule):
         # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
         # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
         loader_cls = StatefulDataLoader if shuffle else DataLoader
-        sampler = None
         if shuffle and trainer is not None and trainer.world_size > 1:
             # Lightning swaps torch's RandomSampler for a DistributedSampler, whose order is a function of (seed,
             # epoch); torchdata's own RandomSampler would be wrapped instead, and its generator is not checkpointed.
