@@ -14,7 +14,6 @@ from lightning_modules import ImageClassifier
 from lightning_modules.network import build_resnet
 from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
-from training.cli import ImgclsCLI
 from training.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
 
 
@@ -50,26 +49,34 @@ def _fit(images, tmp_path, strategy, max_steps: int, ckpt_path=None, name="run")
     return probe
 
 
-def test_strategy_is_configurable_from_yaml(tmp_path, images):
-    config = tmp_path / "ddp.yaml"
-    config.write_text(
+def _strategy_from_yaml(text: str):
+    """Instantiate `trainer.strategy` from YAML as LightningCLI does (jsonargparse, class_path + init_args)."""
+    import yaml
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(Strategy, "strategy")
+    config = yaml.safe_load(text)["trainer"]["strategy"]
+    return parser.instantiate_classes(parser.parse_object({"strategy": config})).strategy
+
+
+def test_strategy_is_configurable_from_yaml():
+    strategy = _strategy_from_yaml(
         "trainer:\n"
         "  strategy:\n"
         "    class_path: training.strategy.CompressedDDPStrategy\n"
         "    init_args: {compression: powersgd, powersgd_rank: 2, powersgd_start_iter: 5, bucket_cap_mb: 8,\n"
         "                static_graph: true, post_local_sgd_period: null}\n"
     )
-    cli = ImgclsCLI(ImageClassifier, ImageFolderDataModule, run=False, args=[
-        "--config", str(config), "--data.root", str(images), "--trainer.accelerator", "cpu",
-        "--trainer.devices", "2", "--model.arch", "resnet18", "--trainer.default_root_dir", str(tmp_path / "run"),
-    ])
-    strategy = cli.trainer.strategy
     assert isinstance(strategy, CompressedDDPStrategy)
     assert strategy.compression == "powersgd"
     assert strategy.powersgd_kwargs["rank"] == 2 and strategy.powersgd_kwargs["start_iter"] == 5
     assert strategy._ddp_kwargs == {"bucket_cap_mb": 8.0, "gradient_as_bucket_view": True, "static_graph": True,
                                     "find_unused_parameters": False}
-    assert cli.trainer.num_devices == 2
+    production = _strategy_from_yaml((CONFIGS / "imagenet_ddp8.yaml").read_text())
+    assert isinstance(production, CompressedDDPStrategy) and production.compression == "fp16"
+    assert production._ddp_kwargs["static_graph"] and not production._ddp_kwargs["find_unused_parameters"]
 
 
 def test_bad_settings_name_the_key():
@@ -204,8 +211,7 @@ def test_powersgd_error_memory_follows_parameters_when_buckets_change(monkeypatc
 def test_fsdp_config_builds_block_wrapped_fsdp_for_large_backbones():
     """configs/fsdp.yaml over the 8-GPU config: resnet152, FSDP with one unit and checkpoint per Bottleneck block."""
     import yaml
-    from jsonargparse import ArgumentParser
-    from lightning.pytorch.strategies import FSDPStrategy, Strategy
+    from lightning.pytorch.strategies import FSDPStrategy
     from torchvision.models.resnet import Bottleneck
 
     proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
@@ -215,10 +221,7 @@ def test_fsdp_config_builds_block_wrapped_fsdp_for_large_backbones():
     strategy_config = config["trainer"]["strategy"]
     assert strategy_config["class_path"] == "lightning.pytorch.strategies.FSDPStrategy"
 
-    parser = ArgumentParser()
-    parser.add_subclass_arguments(Strategy, "strategy")
-    fsdp_yaml = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["trainer"]["strategy"]
-    strategy = parser.instantiate_classes(parser.parse_object({"strategy": fsdp_yaml})).strategy
+    strategy = _strategy_from_yaml((CONFIGS / "fsdp.yaml").read_text())
     assert type(strategy) is FSDPStrategy
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
     assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}

@@ -84,7 +84,7 @@ class ImgclsCLI(LightningCLI):
             raise UnsafeCheckpointError(unsafe_message(config.ckpt_path, err)) from None
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False has no subcommand
+        config = self.config[self.subcommand]
         run_dir = Path(config.trainer.default_root_dir or "runs/default")
         config.trainer.default_root_dir = str(run_dir)
         loggers = config.trainer.logger
