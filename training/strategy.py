@@ -229,6 +229,12 @@ class ResumablePowerSGDHook:
                     for name, numel in layout
                 ])
         future = powersgd.powerSGD_hook(state, bucket)
+        if dist.is_initialized() and dist.get_backend(state.process_group) == "gloo":
+            # PowerSGD issues its P and Q all-reduces from future callbacks, on gloo's worker threads; with several
+            # buckets they can interleave with the next bucket's all-reduce in a different order on each rank,
+            # and gloo then aborts on mismatched sizes (gloo::EnforceNotMet). Finishing each bucket before the
+            # next keeps the order identical on all ranks, at the cost of overlap (gloo is the CPU/test backend).
+            future.wait()
         if not state.use_error_feedback:
             return future
 
