@@ -168,7 +168,13 @@ def parity(epochs: int = 5, root: str | None = None) -> dict[str, float]:
                    f"--trainer.strategy.compression={compression}"]
             env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()),
                        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-            subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=1800)
+            for attempt in range(2):  # one retry: a rank can die at exit ("terminate called ...") after training
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+                if (run / "checkpoints" / "last.ckpt").is_file() and (proc.returncode == 0 or attempt == 1):
+                    break
+                env["MASTER_PORT"] = str(_free_port())
+            if proc.returncode != 0:
+                print(f"{compression}: imgcls exited {proc.returncode}: {proc.stderr[-2000:]}", file=sys.stderr)
             ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
             state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))
             accs[compression] = float(state["current_score"])  # val/acc after the last epoch
