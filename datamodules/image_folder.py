@@ -12,6 +12,7 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -230,7 +231,7 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     # ---- loaders --------------------------------------------------------------------------------------------
 
-    def _loader(self, dataset: Dataset, *, shuffle: bool, drop_last: bool = False) -> DataLoader:
+    def _loader(self, dataset: Dataset, *, shuffle: bool, drop_last: bool = False, sampler=None) -> DataLoader:
         trainer = self.trainer
         workers = self.num_workers
         if workers is None:
@@ -239,7 +240,6 @@ class ImageFolderDataModule(L.LightningDataModule):
         # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
         # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
         loader_cls = StatefulDataLoader if shuffle else DataLoader
-        sampler = None
         if shuffle and trainer is not None and trainer.world_size > 1:
             # Lightning swaps torch's RandomSampler for a DistributedSampler, whose order is a function of (seed,
             # epoch); torchdata's own RandomSampler would be wrapped instead, and its generator is not checkpointed.
@@ -260,11 +260,20 @@ class ImageFolderDataModule(L.LightningDataModule):
         # drop_last keeps every step's batch (and so BatchNorm statistics and the LR scale) the same size.
         return self._loader(self.train_set, shuffle=True, drop_last=len(self.train_set) > self.batch_size)
 
+    def _eval_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:
+        # Under DDP, Lightning's DistributedSampler pads val/test with repeated images so that every rank gets as
+        # many; this sampler gives each image to exactly one rank, so the torchmetrics-synced val/acc is exact.
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return None
+        return UnrepeatedDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                            shuffle=False)
+
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, shuffle=False, sampler=self._eval_sampler(self.val_set))
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
+        return self._loader(self.test_set, shuffle=False, sampler=self._eval_sampler(self.test_set))
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_set, shuffle=False)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torchmetrics import MaxMetric, MetricCollection
+from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from lightning_modules.network import HEAD_PREFIX, build_resnet
@@ -80,6 +80,9 @@ class ImageClassifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_metrics = _split_metrics(num_classes, "val")
         self.test_metrics = _split_metrics(num_classes, "test")
+        # Mean loss over all images of all ranks, synced once at epoch end: ranks may hold different numbers of
+        # val/test batches (each image goes to one rank), so a per-step all-reduce (sync_dist) could deadlock.
+        self.eval_loss = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self.val_acc_best = MaxMetric()  # best-so-far val/acc, for dashboards and sweeps
         self.val_acc_best.persistent(True)  # kept in checkpoints, so a resumed run remembers its best
 
@@ -109,8 +112,8 @@ class ImageClassifier(L.LightningModule):
         logits = self(x)
         metrics = self.val_metrics if prefix == "val" else self.test_metrics
         metrics.update(logits, y)
-        # sync_dist: every rank logs the same global mean loss; accuracies sync inside torchmetrics.
-        self.log(f"{prefix}/loss", F.cross_entropy(logits, y), sync_dist=True, prog_bar=prefix == "val")
+        self.eval_loss[prefix].update(F.cross_entropy(logits, y), weight=y.shape[0])
+        self.log(f"{prefix}/loss", self.eval_loss[prefix], prog_bar=prefix == "val")
         self.log_dict(metrics, prog_bar=prefix == "val")
 
     def validation_step(self, batch, batch_idx: int) -> None:

@@ -1,0 +1,100 @@
+"""A test-only callback that records, per rank, what a distributed run did: data, gradients, weights, writes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """SHA-1 of every parameter's bytes: equal digests mean bitwise-identical weights."""
+    h = hashlib.sha1()
+    for p in module.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Probe(Callback):
+    """Writes `<out_dir>/rank<R>.pt` at the end of fit; with `fail_rank`, that rank raises at `fail_step`, once
+    (a marker file remembers), to test failure propagation and elastic restarts."""
+
+    def __init__(self, out_dir: str, perturb_nonzero_ranks: bool = False, fail_rank: int | None = None,
+                 fail_step: int = 0) -> None:
+        self.out = Path(out_dir)
+        self.perturb = perturb_nonzero_ranks
+        self.fail_rank = fail_rank
+        self.fail_step = fail_step
+        self.record: dict = {"val": []}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        rank = trainer.global_rank
+        if self.perturb and rank != 0:  # before DDP wraps the model: only rank 0's broadcast can undo this
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.add_(float(rank))
+        io = trainer.strategy.checkpoint_io
+        save = io.save_checkpoint
+        log = self.out / "checkpoint_writes.jsonl"
+
+        def logged_save(checkpoint, path, storage_options=None):  # records who really writes a file
+            with open(log, "a") as f:
+                f.write(json.dumps({"rank": rank, "path": str(path)}) + "\n")
+            return save(checkpoint, path, storage_options=storage_options)
+
+        io.save_checkpoint = logged_save
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        ddp = trainer.strategy.model
+        logging = ddp._get_ddp_logging_data() if hasattr(ddp, "_get_ddp_logging_data") else {}
+        self.record.update(
+            rank=trainer.global_rank, world_size=trainer.world_size, comm_hook=logging.get("comm_hook"),
+            lrs=[g["lr"] for g in trainer.optimizers[0].param_groups],
+            start_digest=weights_digest(pl_module), start_step=trainer.global_step,
+            initial_state={k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+        )
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if "batch" not in self.record:
+            x, y = batch
+            self.record["batch"] = (x.detach().cpu().clone(), y.detach().cpu().clone())
+            sampler = trainer.train_dataloader.batch_sampler.sampler
+            self.record["sampler_indices"] = list(iter(sampler))
+        if trainer.global_rank == self.fail_rank and trainer.global_step == self.fail_step:
+            marker = self.out / "failed_once"
+            if not marker.exists():
+                marker.touch()
+                raise RuntimeError(f"probe: injected failure on rank {trainer.global_rank}")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if "grads" not in self.record:  # after backward, so after DDP's all-reduce
+            self.record["grads"] = {n: p.grad.detach().cpu().clone() for n, p in pl_module.named_parameters()
+                                    if p.grad is not None}
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.record["val_pred"] = []  # this epoch's (prediction, target) pairs only
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx=0) -> None:
+        if trainer.sanity_checking:
+            return
+        x, y = batch
+        with torch.no_grad():
+            pred = pl_module(x).argmax(1)
+        self.record["val_pred"].append(torch.stack([pred.cpu(), y.cpu()]))  # (2, B)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.record["val"].append(float(trainer.callback_metrics["val/acc"]))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.record.update(end_digest=weights_digest(pl_module), end_step=trainer.global_step)
+        strategy = trainer.strategy
+        state = getattr(strategy, "powersgd_state", None)
+        if state is not None:
+            self.record["powersgd"] = strategy._ddp_comm_hook.state_dict(state)
+        torch.save(self.record, self.out / f"rank{trainer.global_rank}.pt")
+

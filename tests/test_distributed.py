@@ -1,0 +1,228 @@
+"""Fast tests of CompressedDDPStrategy in one process (a world of one gloo rank): YAML, hooks, bytes, PowerSGD resume."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from benchmarks.distributed import _train_step, count_allreduce_bytes, expected_allreduce_bytes, wrap_ddp
+from datamodules import ImageFolderDataModule
+from lightning_modules import ImageClassifier
+from lightning_modules.network import build_resnet
+from tests.distributed_probe import Probe
+from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
+from training.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
+
+
+@pytest.fixture
+def images(tmp_path):
+    return make_image_folder(tmp_path / "images", {"a": 6, "b": 6}, size=32)
+
+
+@pytest.fixture
+def master_port(monkeypatch):
+    """A fresh rendezvous port for the one-rank process group of each test."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _fit(images, tmp_path, strategy, max_steps: int, ckpt_path=None, name="run") -> Probe:
+    """Fit a tiny resnet18 with `strategy` in this process; the Probe holds what happened."""
+    L.seed_everything(0)
+    data = ImageFolderDataModule(str(images), batch_size=4, num_workers=0, image_size=32, preset="none")
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, dropout=0.0, lr=0.4)
+    probe = Probe(str(tmp_path / name / "probe"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, max_epochs=-1, logger=False,
+        default_root_dir=str(tmp_path / name), enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[probe, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True,
+                                                                every_n_train_steps=max_steps)],
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    probe.trainer = trainer
+    return probe
+
+
+def _strategy_from_yaml(text: str):
+    """Instantiate `trainer.strategy` from YAML as LightningCLI does (jsonargparse, class_path + init_args)."""
+    import yaml
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(Strategy, "strategy")
+    config = yaml.safe_load(text)["trainer"]["strategy"]
+    return parser.instantiate_classes(parser.parse_object({"strategy": config})).strategy
+
+
+def test_strategy_is_configurable_from_yaml():
+    strategy = _strategy_from_yaml(
+        "trainer:\n"
+        "  strategy:\n"
+        "    class_path: training.strategy.CompressedDDPStrategy\n"
+        "    init_args: {compression: powersgd, powersgd_rank: 2, powersgd_start_iter: 5, bucket_cap_mb: 8,\n"
+        "                static_graph: true, post_local_sgd_period: null}\n"
+    )
+    assert isinstance(strategy, CompressedDDPStrategy)
+    assert strategy.compression == "powersgd"
+    assert strategy.powersgd_kwargs["rank"] == 2 and strategy.powersgd_kwargs["start_iter"] == 5
+    assert strategy._ddp_kwargs == {"bucket_cap_mb": 8.0, "gradient_as_bucket_view": True, "static_graph": True,
+                                    "find_unused_parameters": False}
+    production = _strategy_from_yaml((CONFIGS / "imagenet_ddp8.yaml").read_text())
+    assert isinstance(production, CompressedDDPStrategy) and production.compression == "fp16"
+    assert production._ddp_kwargs["static_graph"] and not production._ddp_kwargs["find_unused_parameters"]
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(ValueError, match="compression='int8'.*none, fp16, bf16, powersgd"):
+        CompressedDDPStrategy(compression="int8")
+    with pytest.raises(ValueError, match="post_local_sgd_period cannot be combined with compression=powersgd"):
+        CompressedDDPStrategy(compression="powersgd", post_local_sgd_period=4)
+
+
+@pytest.mark.parametrize("compression, hook", [
+    ("none", None), ("fp16", "fp16_compress_hook"), ("bf16", "bf16_compress_hook"),
+    ("powersgd", "resumable_powerSGD_hook"),
+])
+def test_comm_hook_is_registered_on_cpu(tmp_path, images, master_port, compression, hook):
+    # Lightning's own DDPStrategy would leave every one of these unregistered on CPU.
+    probe = _fit(images, tmp_path, CompressedDDPStrategy(compression=compression, powersgd_start_iter=2), 3)
+    assert probe.record["comm_hook"] == hook  # DDP's logging data: "" / None without a hook
+    assert probe.record["end_step"] == 3
+
+
+def test_post_local_sgd_averages_models(tmp_path, images, master_port):
+    strategy = CompressedDDPStrategy(post_local_sgd_period=2, post_local_sgd_start_iter=1,
+                                     post_local_sgd_group_size=1)
+    probe = _fit(images, tmp_path, strategy, 3)
+    assert probe.record["comm_hook"] == "post_localSGD_hook"
+    assert probe.trainer.strategy._model_averager.period == 2
+
+
+def test_allreduce_bytes_per_step_match_parameter_shapes(master_port):
+    """ResNet50 + the seed's 1024 head: fp16/bf16 move half of fp32, PowerSGD rank 4 under 5%."""
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    measured, expected = {}, {}
+    for compression in ("none", "fp16", "bf16", "powersgd"):
+        net = build_resnet("resnet50", None, 1024, 0.0, 10)
+        ddp, _ = wrap_ddp(net, compression, count=True, powersgd_start_iter=2)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for _ in range(3):  # buckets rebuilt after step 1; PowerSGD compresses from step 3
+            _train_step(ddp, optimizer, batch=2, size=32, classes=10)
+        with count_allreduce_bytes() as counted:
+            _train_step(ddp, optimizer, batch=2, size=32, classes=10)
+        measured[compression], expected[compression] = counted["bytes"], expected_allreduce_bytes(net, compression)
+    n_params = sum(p.numel() for p in build_resnet("resnet50", None, 1024, 0.0, 10).parameters())
+    assert expected["none"] == 4 * n_params
+    assert measured == expected
+    assert measured["fp16"] == measured["bf16"] == measured["none"] // 2
+    assert measured["powersgd"] <= 0.05 * measured["none"]
+
+
+def test_powersgd_state_survives_checkpoint_and_resume(tmp_path, images, master_port, monkeypatch):
+    first = _fit(images, tmp_path, CompressedDDPStrategy(compression="powersgd", powersgd_start_iter=2), 4, name="a")
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)[POWERSGD_KEY]
+    assert saved["world_size"] == 1
+    state = saved["ranks"][0]
+    assert state["iter"] == 4
+    errors = state["error"]
+    assert set(errors) == {n for n, p in first.trainer.lightning_module.named_parameters()}
+    assert sum(float(e.abs().sum()) for e in errors.values()) > 0  # a real residual, not zeros
+
+    # Resume: the restored per-parameter memory is what PowerSGD adds to the first resumed step's gradients.
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    seen = {}
+    original = powersgd.powerSGD_hook
+
+    def spy(state, bucket):
+        if state.iter == 4 and bucket.index() not in seen:  # first resumed step: the memory it starts from
+            seen[bucket.index()] = ([p for p in bucket.parameters()], state.error_dict[bucket.index()].clone())
+        return original(state, bucket)
+
+    monkeypatch.setattr(powersgd, "powerSGD_hook", spy)
+    strategy = CompressedDDPStrategy(compression="powersgd", powersgd_start_iter=2)
+    resumed = _fit(images, tmp_path, strategy, 6, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), name="b")
+    assert resumed.record["start_step"] == 4
+    assert resumed.record["powersgd"]["iter"] == 6
+    names = {id(p): n for n, p in resumed.trainer.lightning_module.named_parameters()}
+    assert seen
+    for params, error in seen.values():
+        expected = torch.cat([errors[names[id(p)]] for p in params])
+        torch.testing.assert_close(error, expected)
+
+
+class _Bucket:
+    """The part of dist.GradBucket that the hook reads."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
+        self._index, self._params = index, params
+        self._buffer = torch.cat([p.detach().flatten() for p in params])
+
+    def index(self) -> int:
+        return self._index
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def test_powersgd_error_memory_follows_parameters_when_buckets_change(monkeypatch):
+    """DDP re-buckets after a resume's first step: each parameter's error must land in its new bucket's slot."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    params = {name: torch.nn.Parameter(torch.randn(shape)) for name, shape in
+              [("w1", (4, 3)), ("b1", (4,)), ("w2", (2, 4)), ("b2", (2,))]}
+    hook = ResumablePowerSGDHook({id(p): n for n, p in params.items()})
+    state = powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    seen = {}
+
+    def fake_powersgd(st, bucket):  # records the memory it is given, leaves a residual 10 x (index + 1) larger
+        index = bucket.index()
+        seen[index] = st.error_dict[index].clone()
+        st.error_dict[index] = st.error_dict[index] + 10 * (index + 1)
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    monkeypatch.setattr(powersgd, "powerSGD_hook", fake_powersgd)
+    errors = {n: torch.full((p.numel(),), float(i)) for i, (n, p) in enumerate(params.items())}
+    hook.load_state_dict(state, {"iter": 5, "error": errors})
+    # Layout A: two buckets in reverse order; then layout B: everything in one bucket, another order.
+    hook(state, _Bucket(0, [params["b2"], params["w2"]])).wait()
+    hook(state, _Bucket(1, [params["b1"], params["w1"]])).wait()
+    torch.testing.assert_close(seen[0], torch.cat([errors["b2"], errors["w2"]]))
+    torch.testing.assert_close(seen[1], torch.cat([errors["b1"], errors["w1"]]))
+    hook(state, _Bucket(0, [params["w1"], params["w2"], params["b1"], params["b2"]])).wait()
+    torch.testing.assert_close(seen[0], torch.cat([errors["w1"] + 20, errors["w2"] + 10, errors["b1"] + 20,
+                                                   errors["b2"] + 10]))
+    saved = hook.state_dict(state)
+    assert saved["iter"] == 5 and set(saved["error"]) == set(params)
+    torch.testing.assert_close(saved["error"]["w1"], errors["w1"] + 30)  # after layout B's step
+
+
+def test_fsdp_config_builds_block_wrapped_fsdp_for_large_backbones():
+    """configs/fsdp.yaml over the 8-GPU config: resnet152, FSDP with one unit and checkpoint per Bottleneck block."""
+    import yaml
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torchvision.models.resnet import Bottleneck
+
+    proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
+                   "--print_config", timeout=120)
+    config = yaml.safe_load(proc.stdout)
+    assert config["model"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
+    strategy_config = config["trainer"]["strategy"]
+    assert strategy_config["class_path"] == "lightning.pytorch.strategies.FSDPStrategy"
+
+    strategy = _strategy_from_yaml((CONFIGS / "fsdp.yaml").read_text())
+    assert type(strategy) is FSDPStrategy
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
+    assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
+    assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "full"

@@ -1,0 +1,266 @@
+"""DDP with gradient compression (fp16, bf16, PowerSGD) and post-local SGD, configured by plain YAML fields.
+
+    trainer:
+      strategy:
+        class_path: training.strategy.CompressedDDPStrategy
+        init_args: {compression: powersgd, powersgd_rank: 4}
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local_sgd
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+Compression = Literal["none", "fp16", "bf16", "powersgd"]
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+
+# Checkpoint key of the PowerSGD state: one entry per rank, because the error-feedback memory is rank-local.
+POWERSGD_KEY = "powersgd_state"
+
+
+def build_comm_hook(compression: Compression, module: torch.nn.Module, process_group=None, *, rank: int = 4,
+                    start_iter: int = 10, min_compression_rate: float = 2.0, use_error_feedback: bool = True,
+                    warm_start: bool = True):
+    """(state, hook) for DDP's register_comm_hook of `module`; (None, None) for `none` (DDP's own C++ all-reduce)."""
+    if compression == "none":
+        return None, None
+    if compression == "fp16":
+        return process_group, default_hooks.fp16_compress_hook
+    if compression == "bf16":
+        return process_group, default_hooks.bf16_compress_hook
+    if compression == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=process_group,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=start_iter,
+            min_compression_rate=min_compression_rate,
+            use_error_feedback=use_error_feedback,
+            warm_start=warm_start,
+        )
+        return state, ResumablePowerSGDHook({id(p): name for name, p in module.named_parameters()})
+    raise ValueError(f"trainer.strategy.compression={compression!r} is unknown; choose one of {', '.join(COMPRESSIONS)}")
+
+
+class CompressedDDPStrategy(DDPStrategy):
+    """DistributedDataParallel whose gradient all-reduce is compressed, on any device and backend.
+
+    Args:
+        compression: ``none`` (fp32 all-reduce), ``fp16`` / ``bf16`` (gradients cast for the wire, 0.5x the bytes),
+            ``powersgd`` (rank-r low-rank approximation of each weight matrix, with error feedback).
+        powersgd_rank: rank r of the PowerSGD approximation; a (n, m) gradient sends (n + m) x r numbers.
+        powersgd_start_iter: plain all-reduce for this many steps first (PowerSGD is unstable from the first step).
+        powersgd_min_compression_rate: compress a matrix only if n*m / ((n + m) * r) exceeds this.
+        powersgd_use_error_feedback: add the previous step's approximation error to the gradient (needed to converge).
+        powersgd_warm_start: reuse last step's Q instead of a fresh random matrix (better approximations).
+        post_local_sgd_period: if set, post-local SGD: after ``post_local_sgd_start_iter`` steps, gradients are only
+            all-reduced inside groups of ``post_local_sgd_group_size`` processes and the full model is averaged
+            every this many steps (Lightning's ``model_averaging_period``). Combines with none/fp16/bf16.
+        post_local_sgd_start_iter: global all-reduce for this many steps first.
+        post_local_sgd_group_size: processes per local group; null = the processes of one node.
+        bucket_cap_mb: DDP bucket size in MiB: larger buckets mean fewer, larger all-reduces, less overlap.
+        gradient_as_bucket_view: gradients are views into the buckets (saves one gradient copy of memory).
+        static_graph: the set of used parameters never changes between steps; lets DDP skip per-step checks.
+        find_unused_parameters: search the autograd graph for unused parameters each step (slow; only if needed).
+        process_group_backend: ``nccl`` / ``gloo``; null picks by device.
+        timeout_s: collective timeout in seconds: a rank that waits longer fails the job instead of hanging.
+        start_method: ``popen`` (re-run the script per process, default) or ``spawn`` / ``fork``.
+    """
+
+    def __init__(
+        self,
+        compression: Compression = "none",
+        powersgd_rank: int = 4,
+        powersgd_start_iter: int = 10,
+        powersgd_min_compression_rate: float = 2.0,
+        powersgd_use_error_feedback: bool = True,
+        powersgd_warm_start: bool = True,
+        post_local_sgd_period: int | None = None,
+        post_local_sgd_start_iter: int = 100,
+        post_local_sgd_group_size: int | None = None,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"trainer.strategy.compression={compression!r} is unknown; "
+                             f"choose one of {', '.join(COMPRESSIONS)}")
+        if post_local_sgd_period is not None and compression == "powersgd":
+            raise ValueError("trainer.strategy.post_local_sgd_period cannot be combined with compression=powersgd; "
+                             "use compression none, fp16 or bf16 with post-local SGD")
+        if post_local_sgd_period is not None and post_local_sgd_period < 1:
+            raise ValueError(f"trainer.strategy.post_local_sgd_period={post_local_sgd_period} must be >= 1 (or null)")
+        if powersgd_rank < 1:
+            raise ValueError(f"trainer.strategy.powersgd_rank={powersgd_rank} must be >= 1")
+        super().__init__(
+            model_averaging_period=post_local_sgd_period,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+            start_method=start_method,
+            # DistributedDataParallel keyword arguments:
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+        )
+        self.compression = compression
+        self.powersgd_kwargs = dict(
+            rank=powersgd_rank, start_iter=powersgd_start_iter, min_compression_rate=powersgd_min_compression_rate,
+            use_error_feedback=powersgd_use_error_feedback, warm_start=powersgd_warm_start,
+        )
+        self.post_local_sgd_start_iter = post_local_sgd_start_iter
+        self.post_local_sgd_group_size = post_local_sgd_group_size
+        self._powersgd_resume: dict | None = None  # this rank's saved PowerSGD state, until the hook exists
+
+    # ---- hook registration ----------------------------------------------------------------------------------
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks only when root_device is CUDA (a leftover of NCCL-only hooks in torch 1.8).
+        # gloo runs these hooks on CPU, so registering them everywhere makes CPU runs and tests exercise the real
+        # compressed all-reduce instead of silently falling back to fp32.
+        self._build_hook_state()
+        _register_ddp_comm_hook(
+            model=self.model,
+            ddp_comm_state=self._ddp_comm_state,
+            ddp_comm_hook=self._ddp_comm_hook,
+            ddp_comm_wrapper=self._ddp_comm_wrapper,
+        )
+
+    def _build_hook_state(self) -> None:
+        """Create the hook and its state now that the process group exists (every rank runs this)."""
+        if self._model_averaging_period is not None:
+            # Post-local SGD: the hook all-reduces globally for start_iter steps, then only inside the subgroup;
+            # Lightning's setup() sees the PostLocalSGDState and adds the periodic model averager.
+            group_size = self.post_local_sgd_group_size or self.num_processes
+            subgroup, _ = dist.new_subgroups(group_size=group_size)
+            self._ddp_comm_state = post_local_sgd.PostLocalSGDState(
+                process_group=None, subgroup=subgroup, start_localSGD_iter=self.post_local_sgd_start_iter
+            )
+            self._ddp_comm_hook = post_local_sgd.post_localSGD_hook
+            self._ddp_comm_wrapper = {"none": None, "fp16": default_hooks.fp16_compress_wrapper,
+                                      "bf16": default_hooks.bf16_compress_wrapper}[self.compression]
+            return
+        self._ddp_comm_state, self._ddp_comm_hook = build_comm_hook(
+            self.compression, self.model.module, **self.powersgd_kwargs
+        )
+        self._restore_powersgd()
+
+    # ---- PowerSGD state in checkpoints (not in any state dict: pytorch issue 75666) -------------------------
+
+    @property
+    def powersgd_state(self) -> powersgd.PowerSGDState | None:
+        state = self._ddp_comm_state
+        return state if isinstance(state, powersgd.PowerSGDState) else None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        # Every rank reaches here (Trainer.save_checkpoint); rank 0 writes. The error memory differs per rank, so
+        # rank 0 gathers all of them: the checkpoint grows by one fp32 gradient copy per rank.
+        if isinstance(self._ddp_comm_hook, ResumablePowerSGDHook) and dist.is_initialized():
+            local = self._ddp_comm_hook.state_dict(self.powersgd_state)
+            gathered = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(local, gathered, dst=0)
+            if self.is_global_zero:
+                checkpoint[POWERSGD_KEY] = {"world_size": self.world_size, "ranks": gathered}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.pop(POWERSGD_KEY, None)
+        if saved is not None and self.compression == "powersgd":
+            if saved["world_size"] == self.world_size:
+                self._powersgd_resume = saved["ranks"][self.global_rank]
+            else:  # the per-rank error memories do not map onto a new world size; keep the step count only
+                rank_zero_warn(f"{checkpoint_path} holds PowerSGD state for {saved['world_size']} processes, not "
+                               f"{self.world_size}: its error-feedback memory is dropped, the iteration kept")
+                self._powersgd_resume = {"iter": saved["ranks"][0]["iter"]}
+            self._restore_powersgd()
+        return checkpoint
+
+    def _restore_powersgd(self) -> None:
+        if self._powersgd_resume is None or not isinstance(self._ddp_comm_hook, ResumablePowerSGDHook):
+            return
+        self._ddp_comm_hook.load_state_dict(self.powersgd_state, self._powersgd_resume)
+        self._powersgd_resume = None
+
+
+class ResumablePowerSGDHook:
+    """powerSGD_hook whose error memory is kept per parameter, so it can be saved, resumed and re-bucketed.
+
+    PowerSGDState keys its memories by DDP bucket index, and bucket layouts change: a new DDP instance starts with
+    buckets in reverse parameter order and rebuilds them after the first step in gradient-ready order. A resumed
+    run at iter >= start_powerSGD_iter would add a saved (n,) error to a bucket of another size. So after each
+    step the bucket's (n,) residual is also indexed per parameter (views, no copy), and when a bucket's parameter
+    list differs from the one its memory was built for, the memory is reassembled from those pieces. The
+    warm-start Q matrices are not carried over: after a resume or a re-bucketing they are drawn afresh from the
+    (saved) seeded generator, as on PowerSGD's first step, which costs one step of a coarser approximation.
+    """
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names  # id(parameter) -> name in the module
+        self.layout: dict[int, tuple[tuple[str, int], ...]] = {}  # bucket index -> ((name, numel), ...)
+        self.param_error: dict[str, torch.Tensor] = {}  # name -> (numel,) latest residual of that parameter
+        # DDP logs the hook by name (_get_ddp_logging_data()["comm_hook"]), and Lightning prints it.
+        self.__name__ = self.__qualname__ = "resumable_powerSGD_hook"
+
+    def __call__(self, state: powersgd.PowerSGDState, bucket):  # unannotated: DDP compares annotations as objects
+        index = bucket.index()
+        layout = tuple((self.names[id(p)], p.numel()) for p in bucket.parameters())
+        if self.layout.get(index) != layout:  # first sight of this bucket, a resume, or DDP re-bucketed
+            self.layout[index] = layout
+            state.p_memory_dict.pop(index, None)  # sized for the old layout; PowerSGD re-allocates them
+            state.q_memory_dict.pop(index, None)
+            state.error_dict.pop(index, None)
+            if self.param_error and state.use_error_feedback:
+                buffer = bucket.buffer()  # (total numel,) flat gradients of this bucket, in layout order
+                state.error_dict[index] = torch.cat([
+                    self.param_error[name].to(buffer) if name in self.param_error else buffer.new_zeros(numel)
+                    for name, numel in layout
+                ])
+        future = powersgd.powerSGD_hook(state, bucket)
+        if dist.is_initialized() and dist.get_backend(state.process_group) == "gloo":
+            # PowerSGD issues its P and Q all-reduces from future callbacks, on gloo's worker threads; with several
+            # buckets they can interleave with the next bucket's all-reduce in a different order on each rank,
+            # and gloo then aborts on mismatched sizes (gloo::EnforceNotMet). Finishing each bucket before the
+            # next keeps the order identical on all ranks, at the cost of overlap (gloo is the CPU/test backend).
+            future.wait()
+        if not state.use_error_feedback:
+            return future
+
+        def index_residual(done: torch.futures.Future) -> torch.Tensor:
+            flat = state.error_dict.get(index)  # PowerSGD stores the new residual before its future completes
+            if flat is not None:
+                self.param_error.update(zip((n for n, _ in layout), flat.split([n for _, n in layout]), strict=True))
+            return done.value()
+
+        return future.then(index_residual)
+
+    def state_dict(self, state: powersgd.PowerSGDState) -> dict[str, Any]:
+        """This rank's state as ints and CPU tensors (loadable with torch.load(weights_only=True))."""
+        _, keys, pos, _, _ = state.rng.get_state()
+        return {
+            "iter": int(state.iter),
+            "rng_keys": torch.from_numpy(keys.astype("int64")),
+            "rng_pos": int(pos),
+            "error": {name: t.detach().cpu().clone() for name, t in self.param_error.items()},
+        }
+
+    def load_state_dict(self, state: powersgd.PowerSGDState, saved: dict[str, Any]) -> None:
+        state.iter = saved["iter"]
+        if "rng_keys" in saved:  # random Q draws continue where they stopped (same on every rank)
+            state.rng.set_state(("MT19937", saved["rng_keys"].numpy().astype("uint32"), saved["rng_pos"], 0, 0.0))
+        for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+            memory.clear()
+        self.layout.clear()
+        self.param_error = dict(saved.get("error", {}))
