@@ -175,7 +175,7 @@ def parity(epochs: int = 5, root: str | None = None) -> dict[str, float]:
                 env["MASTER_PORT"] = str(_free_port())
             if proc.returncode != 0:
                 print(f"{compression}: imgcls exited {proc.returncode}: {proc.stderr[-2000:]}", file=sys.stderr)
-            ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+            ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
             state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))
             accs[compression] = float(state["current_score"])  # val/acc after the last epoch
     return accs
