@@ -123,9 +123,11 @@ def test_imagenet_eval_normalises_with_imagenet_stats():
 def test_train_loader_batches(digits_root):
     dm = ImageFolderDataModule(digits_root, batch_size=8, num_workers=0, preset="none", image_size=32)
     dm.setup("fit")
-    x, y = next(iter(dm.train_dataloader()))
-    assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32
+    raw, y = next(iter(dm.train_dataloader()))
+    assert raw.shape == (8, 3, 32, 32) and raw.dtype == torch.uint8  # workers ship uint8 (normalize_on_device)
     assert y.dtype == torch.int64 and y.max() < 10
+    x, _ = dm.on_after_batch_transfer((raw, y), 0)  # what the model gets, after the copy to the device
+    assert x.dtype == torch.float32 and torch.equal(x, raw.float() / 255)
     assert len(dm.val_set) == 180 and len(dm.train_set) == 1437
 
 
