@@ -127,7 +127,7 @@ def test_train_loader_batches(digits_root):
     assert raw.shape == (8, 3, 32, 32) and raw.dtype == torch.uint8  # workers ship uint8 (normalize_on_device)
     assert y.dtype == torch.int64 and y.max() < 10
     x, _ = dm.on_after_batch_transfer((raw, y), 0)  # what the model gets, after the copy to the device
-    assert x.dtype == torch.float32 and torch.equal(x, raw.float() / 255)
+    assert x.dtype == torch.float32 and torch.allclose(x, raw.float() / 255, rtol=0, atol=1e-6)
     assert len(dm.val_set) == 180 and len(dm.train_set) == 1437
 
 
