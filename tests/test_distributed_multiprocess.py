@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from lightning_modules import ImageClassifier
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
@@ -79,8 +80,9 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
     assert not set(r0["sampler_indices"]) & set(r1["sampler_indices"])
     assert len(r0["sampler_indices"]) + len(r1["sampler_indices"]) == 24
 
-    # lr scaled by the global batch: 0.008 per 256 images x (2 ranks x 4) / 256 for the head groups.
-    assert max(r0["lrs"]) == pytest.approx(0.008 * 8 / 256)
+    # lr scaled by the global batch: the quickstart's lr per 256 images x (2 ranks x 4) / 256 for the head groups.
+    lr = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())["model"]["lr"]
+    assert max(r0["lrs"]) == pytest.approx(lr * 8 / 256)
 
     # Gradients after DDP's all-reduce == one process on the two ranks' batches concatenated. BatchNorm must not
     # see per-rank batch statistics for this to hold: the frozen-backbone epoch keeps it on its running statistics
