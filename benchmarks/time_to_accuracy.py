@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+import yaml
 
 from benchmarks.common import section, standalone, table
 from datamodules.demo import build_demo_data
@@ -29,9 +30,20 @@ from lightning_modules.network import build_resnet
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = (0.97, 0.99)
-# The quickstart recipe, as configs/quickstart.yaml states it; the plain loop copies it.
-RECIPE = dict(arch="resnet50", head_hidden=1024, dropout=0.2, lr=0.008, betas=(0.9, 0.999), weight_decay=0.05,
-              warmup_epochs=1.0, batch=64, image_size=64, epochs=6, seed=42)
+
+
+def _quickstart_recipe() -> dict:
+    """The recipe of configs/quickstart.yaml, read from the file, so that the plain loop copies what imgcls runs."""
+    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    model, data = config["model"], config["data"]
+    return dict(arch=model["arch"], head_hidden=model["head_hidden"], dropout=model["dropout"], lr=model["lr"],
+                betas=(model["momentum"], 0.999), weight_decay=model["weight_decay"],
+                warmup_epochs=model["warmup_epochs"], label_smoothing=model["label_smoothing"],
+                batch=data["batch_size"], image_size=data["image_size"], epochs=config["trainer"]["max_epochs"],
+                seed=config["seed_everything"])
+
+
+RECIPE = _quickstart_recipe()
 QUICK = dict(RECIPE, arch="resnet18", head_hidden=32, image_size=32, batch=16, epochs=1)
 
 
@@ -105,7 +117,7 @@ def run_plain(data: Path, recipe: dict, max_batches: int | None = None) -> list[
         for i in range(steps_per_epoch if max_batches is None else min(max_batches, steps_per_epoch)):
             idx = order[i * batch:(i + 1) * batch]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(net(prepare(x_train[idx])), y_train[idx])
+                loss = F.cross_entropy(net(prepare(x_train[idx])), y_train[idx], label_smoothing=recipe["label_smoothing"])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
