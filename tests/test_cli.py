@@ -12,7 +12,7 @@ import torchvision
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from tests.helpers import CONFIGS, TINY, make_image_folder, run_cli
+from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
 from training.cli import cli_main, main
 
 QUIET = ["--trainer.enable_model_summary", "false"]
@@ -107,8 +107,6 @@ def test_production_config_runs_one_batch_on_cpu(tmp_path):
     hub = tmp_path / "torch" / "hub" / "checkpoints"
     hub.mkdir(parents=True)
     torch.save(torchvision.models.resnet50(weights=None).state_dict(), hub / "resnet50-11ad3fa6.pth")
-    from tests.helpers import cli_env
-
     proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--trainer.accelerator", "cpu",
                    "--trainer.devices", "1", "--trainer.fast_dev_run", "1", "--data.root", str(tmp_path / "data"),
                    "--data.num_workers", "0", "--data.batch_size", "4", "--data.image_size", "64",
