@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,17 @@ from datamodules.demo import build_demo_data
 def digits_root(tmp_path_factory):
     """The real demo dataset (1,797 digits as PNGs), at 32 px to keep CPU tests quick."""
     return build_demo_data(tmp_path_factory.mktemp("digits") / "digits", size=32)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Each test starts from the same environment: an in-process DDP fit leaves Lightning's launcher variables
+    (LOCAL_RANK, NODE_RANK, OMP_NUM_THREADS) in os.environ, and a later `imgcls` subprocess that inherits LOCAL_RANK
+    takes itself for a process started by torchrun and waits for ranks that nobody launches."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def pytest_collection_modifyitems(config, items):

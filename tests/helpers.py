@@ -22,9 +22,14 @@ TINY = [
 ]
 
 
+LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """Environment for a subprocess that imports this checkout (not another installed copy)."""
-    env = dict(os.environ)
+    # A command started by hand carries no launcher variables; left over, they make Lightning wait for external ranks.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by every process of a test
     env.update(extra)
