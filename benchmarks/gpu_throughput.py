@@ -3,7 +3,8 @@
     python -m benchmarks.gpu_throughput [--quick]
 
 The step is the production recipe: channels_last, fp16 autocast (16-mixed), torch.compile and fused SGD, on a
-synthetic batch already on the GPU, so the figure is the compute ceiling the input pipeline has to feed.
+synthetic batch already on the GPU, so the figure is the compute ceiling the input pipeline has to feed. Then the
+GPU side of `data.augment_on_device` (nvJPEG decode, RandomResizedCrop, flip, normalize) on photo-like JPEGs.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import time
 
 import torch
 
-from benchmarks.common import section, standalone, table
+from benchmarks.common import photo_folder, section, standalone, table
 from benchmarks.compute_levers import train_step
+from datamodules import ImageFolderDataModule
 
 # Dense fp16/bf16 tensor-core peaks (FLOP/s) of common training GPUs, from the vendors' data sheets.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12,
@@ -33,6 +35,26 @@ def step_flops(batch: int) -> float:
     with counter:
         step()
     return float(counter.get_total_flops())
+
+
+def device_augment_rate(batch: int, batches: int, count: int) -> float:
+    """Images/s of `augment_batch` on the GPU: files read beforehand, so only the device's work is timed."""
+    dm = ImageFolderDataModule(root=str(photo_folder(count)), batch_size=batch, num_workers=0, image_size=224,
+                               augment_on_device=True)
+    dm.setup("fit")
+    loader = iter(dm.train_dataloader())
+    read = [next(loader)[0] for _ in range(batches)]
+
+    def run(items):
+        return dm.float_transform(dm.augment_batch(items, "cuda", train=True))
+
+    run(read[0])  # warm-up: nvJPEG handles, kernels
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for items in read:
+        run(items)
+    torch.cuda.synchronize()
+    return batch * batches / (time.perf_counter() - start)
 
 
 def main(quick: bool = False) -> str:
@@ -60,6 +82,9 @@ def main(quick: bool = False) -> str:
     body = table(["recipe", "img/s", "FLOP utilisation"], rows)
     body += f"\n\n{flops / 1e9:.1f} GFLOP per image and step (forward + backward, counted)"
     body += f"; peak taken as {peak / 1e12:.0f} TFLOP/s (dense fp16)." if peak else "."
+    augment = device_augment_rate(batch=16 if quick else 256, batches=2 if quick else 7, count=50 if quick else 2000)
+    body += (f"\n\nWith `data.augment_on_device`, this GPU decodes (nvJPEG) and augments {augment:,.0f} img/s of "
+             "500x375 JPEGs to 224 px, besides training; the loader workers only read the files.")
     return section(title, body, f"{name}, resnet50 at 224 px, batch {batch}, {steps} timed steps, synthetic data on "
                    "the GPU. `python -m benchmarks.gpu_throughput`")
 

@@ -34,6 +34,7 @@ from datamodules.images import load_rgb
 from datamodules.presets import IMAGENET_MEAN, IMAGENET_STD
 
 BASELINE = "torchvision ImageFolder + PIL + transforms v1 (baseline)"
+READ_ONLY = "DataModule, augment_on_device: workers read the files only"
 # ResNet-50 training throughput on one A100 with AMP (NVIDIA's reference), to size the loader for a GPU.
 A100_IMAGES_PER_S = 2470
 
@@ -58,13 +59,14 @@ def loaders(root, size: int, batch: int, workers: int) -> dict[str, tuple[Callab
     v1 = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
                     T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
-    def datamodule(on_device: bool) -> ImageFolderDataModule:
+    def datamodule(on_device: bool, augment_on_device: bool = False) -> ImageFolderDataModule:
         dm = ImageFolderDataModule(root=str(root), batch_size=batch, num_workers=workers, image_size=size,
-                                   persistent_workers=False, normalize_on_device=on_device)
+                                   persistent_workers=False, normalize_on_device=on_device,
+                                   augment_on_device=augment_on_device)
         dm.setup("fit")
         return dm
 
-    float_dm, fast_dm = datamodule(False), datamodule(True)
+    float_dm, fast_dm, device_dm = datamodule(False), datamodule(True), datamodule(True, augment_on_device=True)
     pil = _PilFiles(float_dm.train_set.samples, ClassificationPresetTrain(image_size=size))
 
     def identity(batch):
@@ -73,12 +75,18 @@ def loaders(root, size: int, batch: int, workers: int) -> dict[str, tuple[Callab
     def normalize(batch):
         return fast_dm.on_after_batch_transfer(batch, 0)
 
+    def augment(batch):  # what the device does with augment_on_device; here the device is this CPU
+        x, y = batch
+        return device_dm.float_transform(device_dm.augment_batch(x, "cpu", train=True)), y
+
     return {
         BASELINE: (lambda: DataLoader(datasets.ImageFolder(str(root / "train"), transform=v1), **common), identity),
         "PIL decode + v2 uint8 crop, float in loader": (lambda: DataLoader(pil, **common), identity),
         "torchvision.io decode + v2, float in loader": (float_dm.train_dataloader, identity),
         "DataModule: torchvision.io decode + v2, uint8 batches": (fast_dm.train_dataloader, identity),
         "the same + float/normalize on this CPU (the device here)": (fast_dm.train_dataloader, normalize),
+        READ_ONLY: (device_dm.train_dataloader, identity),
+        "the same + decode, augment, normalize on this CPU (the device here)": (device_dm.train_dataloader, augment),
     }
 
 
@@ -88,7 +96,7 @@ def per_image_laps(make: Callable[[], DataLoader], after: Callable, batches: int
     for _ in range(batches):
         start = time.perf_counter()
         x, _ = after(next(it))
-        laps.append((time.perf_counter() - start) / x.shape[0])
+        laps.append((time.perf_counter() - start) / len(x))
     return laps
 
 
@@ -150,7 +158,9 @@ def main(quick: bool = False) -> str:
         f"({step_rate / loader_rate:.2g} of a core) keeps it fed at {step_size} px. A GPU that trains ResNet-50 at "
         f"{A100_IMAGES_PER_S:,} img/s (one A100, AMP) needs {math.ceil(A100_IMAGES_PER_S / fast_rate)} cores of "
         f"this speed at {fast_rate:.0f} img/s each (vs {math.ceil(A100_IMAGES_PER_S * t1[BASELINE])} with the "
-        "baseline loader): set data.num_workers to that, or as many CPUs as the node gives each GPU."
+        "baseline loader): set data.num_workers to that, or as many CPUs as the node gives each GPU. With "
+        f"`data.augment_on_device` a worker core only reads files ({1 / t1[READ_ONLY]:,.0f} img/s), and decoding "
+        "(nvJPEG) and augmentation move to the GPU: `benchmarks/gpu_throughput.py` measures that side on CUDA."
     )
     return section(
         "Input pipeline",

@@ -17,7 +17,14 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from datamodules.images import find_classes, list_images, read_image, scan_split
+from datamodules.images import (
+    decode_images,
+    find_classes,
+    list_images,
+    read_encoded,
+    read_image,
+    scan_split,
+)
 from datamodules.presets import (
     PRESETS,
     ClassificationPresetEval,
@@ -31,41 +38,47 @@ log = logging.getLogger(__name__)
 
 
 class ImageFiles(Dataset):
-    """(image, class index) pairs from a list of (path, class index)."""
+    """(image, class index) pairs from a list of (path, class index).
 
-    def __init__(self, samples: list[tuple[str, int]], transform) -> None:
+    `read` decodes a path (`read_image`), or only reads it (`read_encoded`, for ``augment_on_device``); `transform`
+    None leaves its result as it is.
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], transform, read=read_image) -> None:
         self.samples = samples
         self.transform = transform
+        self.read = read
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, target = self.samples[index]
-        return self.transform(_load(path)), target
+        image = _load(self.read, path)
+        return (self.transform(image) if self.transform is not None else image), target
 
 
-class PredictImages(Dataset):
+class PredictImages(ImageFiles):
     """(image, index) for unlabeled images; the index maps back to `paths` when predictions are written."""
 
-    def __init__(self, paths: list[str], transform) -> None:
+    def __init__(self, paths: list[str], transform, read=read_image) -> None:
+        super().__init__([(p, i) for i, p in enumerate(paths)], transform, read)
         self.paths = paths
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.transform(_load(self.paths[index])), index
 
 
-def _load(path: str):
+def _load(read, path: str):
     # A file that broke after the start-of-fit scan: name it, instead of a bare PIL error from a worker.
     try:
-        return read_image(path)
+        return read(path)
     except Exception as err:
         raise RuntimeError(f"cannot read image {path}: {err}; remove or replace it (data.bad_images: skip "
                            "drops unreadable files at the start of fit)") from err
+
+
+def _collate_encoded(batch: list[tuple[torch.Tensor, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Encoded files differ in length (and decoded ones in size): a list of them, and the targets stacked."""
+    images, targets = zip(*batch, strict=True)
+    return list(images), torch.tensor(targets)
 
 
 def default_num_workers(devices_per_node: int = 1) -> int:
@@ -92,6 +105,9 @@ class ImageFolderDataModule(L.LightningDataModule):
         predict_dir: folder of images (nested folders allowed) for ``imgcls predict``.
         normalize_on_device: workers yield uint8 batches and the float conversion and normalization run after the
             copy to the device (same values, 4x fewer bytes moved); false yields float batches from the workers.
+        augment_on_device: workers only read the files; JPEG decoding (nvJPEG on CUDA, one call per batch), the
+            preset's augmentation and the normalization run on the device, image by image, in the main process.
+            For when the CPU cores cannot feed the GPUs; on a CPU-only machine it only moves the work around.
         bad_images: what to do with files that cannot be decoded, found by a scan at setup: ``raise`` (list them
             all and stop before training) or ``skip`` (log them and train on the rest).
     """
@@ -110,6 +126,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         pin_memory: bool | None = None,
         predict_dir: str | None = None,
         normalize_on_device: bool = True,
+        augment_on_device: bool = False,
         bad_images: Literal["raise", "skip"] = "raise",
     ) -> None:
         super().__init__()
@@ -127,6 +144,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.predict_dir = Path(predict_dir).expanduser() if predict_dir is not None else None
         self.normalize_on_device = normalize_on_device
+        self.augment_on_device = augment_on_device
+        self._device_transforms: dict[bool, object] = {}  # train? -> uint8 preset, for augment_on_device
         self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
         self.bad_images = bad_images
         # Class names are read now (a directory listing, cheap) so that the CLI can link them into the model.
@@ -159,9 +178,14 @@ class ImageFolderDataModule(L.LightningDataModule):
     # ---- datasets -------------------------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
-        uint8 = self.normalize_on_device
+        uint8 = self.normalize_on_device or self.augment_on_device
         train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.image_size, uint8_output=uint8)
         eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.image_size, uint8_output=uint8)
+        read = read_image
+        if self.augment_on_device:  # the workers read; `augment_batch` decodes and transforms on the device
+            self._device_transforms = {True: train_tf, False: eval_tf}
+            train_tf = eval_tf = None
+            read = read_encoded
         if stage == "predict":
             if self.predict_dir is None:
                 raise ValueError("data.predict_dir is not set; pass --data.predict_dir FOLDER_OF_IMAGES")
@@ -170,20 +194,20 @@ class ImageFolderDataModule(L.LightningDataModule):
             paths = list_images(self.predict_dir)
             if not paths:
                 raise FileNotFoundError(f"data.predict_dir={self.predict_dir} holds no images")
-            self.predict_set = PredictImages(self._drop_bad(paths), eval_tf)
+            self.predict_set = PredictImages(self._drop_bad(paths), eval_tf, read)
             return
         if self.root is None:
             raise ValueError(f"data.root is required for {stage}; pass --data.root FOLDER")
         if stage in ("fit", "validate") and self.train_set is None:  # built once: `fit` validates again at its end
             train, val = self._train_val_samples()
             train, val = self._drop_bad(train), self._drop_bad(val)
-            self.train_set = ImageFiles(train, train_tf)
-            self.val_set = ImageFiles(val, eval_tf)
+            self.train_set = ImageFiles(train, train_tf, read)
+            self.val_set = ImageFiles(val, eval_tf, read)
         if stage == "test":
             test_dir = self.root / "test"
             if not test_dir.is_dir():
                 raise FileNotFoundError(f"{test_dir} does not exist; `imgcls test` needs a test/ split")
-            self.test_set = ImageFiles(self._drop_bad(scan_split(test_dir, self.class_names)), eval_tf)
+            self.test_set = ImageFiles(self._drop_bad(scan_split(test_dir, self.class_names)), eval_tf, read)
 
     def _drop_bad(self, samples: list) -> list:
         """Scan `samples` (paths or (path, target) pairs) once on rank 0; raise on bad files or drop them."""
@@ -254,6 +278,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             pin_memory=on_cuda if self.pin_memory is None else self.pin_memory,
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
+            collate_fn=_collate_encoded if self.augment_on_device else None,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -278,12 +303,49 @@ class ImageFolderDataModule(L.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_set, shuffle=False)
 
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        x, y = batch
+        if isinstance(x, list):  # augment_on_device: the files stay in host memory, where nvJPEG reads them from
+            return x, y.to(device, non_blocking=True)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """uint8 images -> float32, normalized, on the device; the second element (targets or indices) is kept."""
         x, y = batch
+        if isinstance(x, list):
+            trainer = self.trainer
+            train = trainer is not None and trainer.training
+            seed = _augment_seed(trainer) if train else None
+            x = self.augment_batch(x, y.device, train=train, seed=seed)
         if x.dtype == torch.uint8:
             x = self.float_transform(x)
         return x, y
+
+    def augment_batch(self, items: list[torch.Tensor], device: torch.device | str, *, train: bool,
+                      seed: int | None = None) -> torch.Tensor:
+        """``augment_on_device``: files read by the workers -> a uint8 (B, 3, S, S) batch on `device`.
+
+        The preset's transforms run image by image (each draws its own crop); with `seed`, from a generator forked
+        for this batch, so that the draws do not depend on what else consumed random numbers before.
+        """
+        transform = self._device_transforms[train]
+        images = decode_images(items, device)
+        if seed is None:
+            return torch.stack([transform(image) for image in images])
+        with torch.random.fork_rng(devices=[]):  # the transforms draw their parameters on the CPU
+            torch.manual_seed(seed)
+            return torch.stack([transform(image) for image in images])
+
+
+def _augment_seed(trainer) -> int:
+    """A seed from (run seed, training batch index, rank): a resumed run draws the crops the uninterrupted one drew.
+
+    The batch index counts every training batch of the run (and is restored from checkpoints); it is read here,
+    in the transfer hook, before Lightning counts the batch in hand.
+    """
+    base = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    batch = trainer.fit_loop.epoch_loop.batch_progress.total.ready
+    return ((base * 1_000_003 + batch) * 1_009 + trainer.global_rank) % (2**63)
 
 
 def _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images) -> None:

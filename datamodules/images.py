@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from pathlib import Path
@@ -72,7 +73,7 @@ def read_image(path: str) -> torch.Tensor:
     return pil_to_tensor(load_rgb(path))
 
 
-def load_rgb(path: str) -> Image.Image:
+def load_rgb(path: str | io.BytesIO) -> Image.Image:
     """Decode any supported file to an 8-bit RGB PIL image.
 
     Grayscale, palette, RGBA, CMYK and 16-bit files are all converted; 16-bit data is rescaled,
@@ -88,3 +89,41 @@ def load_rgb(path: str) -> Image.Image:
         if img.mode == "P" and "transparency" in img.info:
             img = img.convert("RGBA")  # avoids PIL's palette-transparency warning
         return img.convert("RGB")
+
+
+def read_encoded(path: str) -> torch.Tensor:
+    """A JPEG's bytes as a 1-D uint8 tensor, left for `decode_images` on the device; any other file decoded now.
+
+    The loader workers of ``data.augment_on_device`` only read files: decoding a JPEG is most of the CPU cost of
+    the input pipeline, and nvJPEG does it on the GPU. Other formats are decoded here (nvJPEG reads only JPEG).
+    """
+    if path.lower().endswith((".jpg", ".jpeg")):
+        return read_file(path)
+    return read_image(path)
+
+
+def decode_images(items: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """`read_encoded` results -> uint8 (3, H, W) RGB images on `device`; the JPEGs in one batched decode call.
+
+    On CUDA the batch goes through nvJPEG; elsewhere through libjpeg-turbo, with the pixels of `read_image`. A file
+    that the JPEG decoder refuses (a PNG named .jpg, say) is decoded by PIL, as `read_image` does.
+    """
+    device = torch.device(device)
+    out = [t.to(device, non_blocking=True) if t.ndim == 3 else None for t in items]
+    jpegs = [i for i, t in enumerate(items) if t.ndim == 1]
+    if jpegs:
+        encoded = [items[i] for i in jpegs]
+        try:
+            decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            decoded = [_decode_one(t).to(device) for t in encoded]
+        for i, image in zip(jpegs, decoded, strict=True):
+            out[i] = image
+    return out
+
+
+def _decode_one(encoded: torch.Tensor) -> torch.Tensor:
+    try:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB)
+    except RuntimeError:
+        return pil_to_tensor(load_rgb(io.BytesIO(encoded.numpy().tobytes())))

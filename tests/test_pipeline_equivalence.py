@@ -92,23 +92,99 @@ def test_datamodule_batches_match_with_and_without_normalize_on_device(tmp_path)
     assert torch.equal(batches[True][1], batches[False][1])
 
 
-def test_trainer_feeds_the_model_normalized_floats(tmp_path):
-    """The hook runs inside Lightning's loops: the model's step sees float32, normalized."""
+@pytest.mark.parametrize("augment_on_device", [False, True])
+def test_trainer_feeds_the_model_normalized_floats(tmp_path, augment_on_device):
+    """The hooks run inside Lightning's loops: training and validation steps see float32, normalized batches."""
     root = make_image_folder(tmp_path / "data", {"a": 2, "b": 2}, size=40, ext=".jpg")
-    dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32)
-    seen = []
+    dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32,
+                               augment_on_device=augment_on_device)
+    seen = {}
 
     class Probe(L.LightningModule):
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1))
 
-        def validation_step(self, batch, batch_idx):
-            seen.append(batch[0])
+        def training_step(self, batch, batch_idx):
+            seen["train"] = batch[0]
+            return (self.w * batch[0].mean()).sum()
 
-    L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
-        Probe(), datamodule=dm)
-    assert seen and seen[0].dtype == torch.float32 and seen[0].min() < 0  # normalized: below zero somewhere
+        def validation_step(self, batch, batch_idx):
+            seen["val"] = batch[0]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0).fit(Probe(), datamodule=dm)
+    for x in seen.values():
+        assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and x.min() < 0  # normalized: below zero
+
+
+def _mixed_folder(root):
+    """JPEGs of several sizes, a PNG, and a PNG named .jpg (the JPEG decoder refuses it; PIL reads it)."""
+    for split in ("train", "val"):
+        for c, name in enumerate("ab"):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(3):
+                _photo(folder / f"{i}.jpg", size=(60 + 9 * i + c, 45 + 4 * i))
+            Image.fromarray(np.full((30, 40, 3), 50 * c, np.uint8)).save(folder / "p.png")
+            Image.fromarray(np.full((20, 20, 3), 9, np.uint8)).save(folder / "q.jpg", format="PNG")
+    return root
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_augment_on_device_gives_the_worker_batches(tmp_path, preset):
+    """Decoding and augmenting after the transfer gives the tensors the workers would have made, draw for draw."""
+    root = _mixed_folder(tmp_path / "data")
+    batches = {}
+    for on_device in (False, True):
+        dm = ImageFolderDataModule(root=str(root), batch_size=10, num_workers=0, image_size=32, preset=preset,
+                                   augment_on_device=on_device)
+        dm.setup("fit")
+        torch.manual_seed(7)  # the loader's seeds, then each image's crop, drawn in the same sequence
+        x, y = next(iter(dm.train_dataloader()))
+        if on_device:
+            assert isinstance(x, list) and {t.ndim for t in x} == {1, 3}  # JPEGs read, not decoded; PNGs decoded
+            x = dm.augment_batch(x, "cpu", train=True)
+        xv, yv = next(iter(dm.val_dataloader()))
+        if on_device:
+            xv = dm.augment_batch(xv, "cpu", train=False)
+        batches[on_device] = (x, y, xv, yv)
+    for fast, reference in zip(batches[True], batches[False], strict=True):
+        assert torch.equal(fast, reference)
+
+
+def test_augment_on_device_draws_from_the_given_seed_only(tmp_path):
+    """With a seed, a batch's crops depend on it alone (exact resumes), and the global generator is left alone."""
+    root = _mixed_folder(tmp_path / "data")
+    dm = ImageFolderDataModule(root=str(root), batch_size=10, num_workers=0, image_size=32, augment_on_device=True)
+    dm.setup("fit")
+    items, _ = next(iter(dm.train_dataloader()))
+    torch.manual_seed(0)
+    first = dm.augment_batch(items, "cpu", train=True, seed=11)
+    state = torch.get_rng_state()
+    torch.rand(5)  # what a model's dropout would draw in between
+    again = dm.augment_batch(items, "cpu", train=True, seed=11)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, dm.augment_batch(items, "cpu", train=True, seed=12))
+    torch.set_rng_state(state)
+    dm.augment_batch(items, "cpu", train=True, seed=13)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.cuda
+def test_augment_on_device_on_cuda_matches_the_cpu_pipeline(tmp_path):
+    """nvJPEG and the float resize on the GPU round differently from libjpeg-turbo and the uint8 CPU resize."""
+    root = _mixed_folder(tmp_path / "data")
+    dm = ImageFolderDataModule(root=str(root), batch_size=10, num_workers=0, image_size=32, augment_on_device=True)
+    dm.setup("validate")
+    items, y = next(iter(dm.val_dataloader()))
+    gpu = dm.augment_batch(items, "cuda", train=False)
+    cpu = dm.augment_batch(items, "cpu", train=False)
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.uint8 and gpu.shape == cpu.shape
+    assert (gpu.cpu().float() - cpu.float()).abs().mean() < 2.0  # grey levels of 255
 
 
 def _fit_one_step(optimizer: str, impl: str) -> dict[str, torch.Tensor]:
