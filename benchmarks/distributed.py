@@ -6,10 +6,8 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -25,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.common import section, standalone
 from lightning_modules.network import build_resnet
 from training.strategy import COMPRESSIONS, build_comm_hook
 
@@ -196,8 +195,6 @@ def main(quick: bool = False) -> str:
         rows.append(f"| {c} | {counted[c]['bytes'] / 2**20:.3f} | {counted[c]['expected'] / 2**20:.3f} | "
                     f"{counted[c]['bytes'] / base:.4f} | {t1 * 1000:.0f} | {t2 * 1000:.0f} | {t2 / t1:.2f} |")
     lines = [
-        "## Distributed: gradient compression (CPU, gloo)",
-        "",
         "| compression | MiB all-reduced / step / rank (ResNet50, measured) | expected from shapes | x none | "
         "step ms, 1 proc | step ms, 2 procs | 2 / 1 |",
         "|---|---|---|---|---|---|---|",
@@ -205,8 +202,7 @@ def main(quick: bool = False) -> str:
         "",
         f"Bytes: ResNet50 + 1024-wide head, PowerSGD rank {POWERSGD_RANK}, one step after PowerSGD started. Step time: "
         f"{time_job['arch']}, batch {time_job['batch']} per process, {time_job['size']} px, median of "
-        f"{time_job['steps']} steps, 1 thread per process; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__}.",
+        f"{time_job['steps']} steps, 1 thread per process.",
     ]
     if not quick:
         accs = parity()
@@ -214,10 +210,9 @@ def main(quick: bool = False) -> str:
         lines += [f"| {c} | {a:.4f} | {100 * (a - accs['none']):+.2f} |" for c, a in accs.items()]
         lines += ["", "Parity: demo digits (1,617 train / 180 val) at 32 px, resnet18 + 1024 head, configs/quickstart.yaml, "
                   "2 gloo processes x batch 32, bf16-mixed, PowerSGD rank 4 from step 10, seed 42."]
-    return "\n".join(lines)
+    return section("Distributed: gradient compression (CPU, gloo)", "\n".join(lines),
+                   "`python -m benchmarks.distributed`" + (" --quick: no parity runs" if quick else ""))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller images and fewer steps")
-    print(main(parser.parse_args().quick))
+    standalone(main, __doc__)
