@@ -73,10 +73,8 @@ class ImgclsCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config.get(subcommand) if subcommand else None
         if subcommand == "fit":
-            run_dir = Path(config.trainer.default_root_dir or "runs/default")
-            dirs = [c.init_args.dirpath for c in config.trainer.callbacks or []
-                    if c.class_path.endswith("ModelCheckpoint") and c.init_args.dirpath]
-            ckpt_dir = Path(dirs[0]) if dirs else run_dir / "checkpoints"
+            dirs = [c.init_args.dirpath for c in _checkpoint_callbacks(config) if c.init_args.dirpath]
+            ckpt_dir = Path(dirs[0]) if dirs else _run_dir(config) / "checkpoints"
             config.ckpt_path = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)
         try:
             super()._parse_ckpt_path()
@@ -85,7 +83,7 @@ class ImgclsCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
-        run_dir = Path(config.trainer.default_root_dir or "runs/default")
+        run_dir = _run_dir(config)
         config.trainer.default_root_dir = str(run_dir)
         loggers = config.trainer.logger
         for logger in loggers if isinstance(loggers, list) else [loggers]:
@@ -95,8 +93,8 @@ class ImgclsCLI(LightningCLI):
             if init is not None and logger.class_path.endswith("WandbLogger") and os.environ.get("WANDB_API_KEY") \
                     and "WANDB_MODE" not in os.environ:
                 init.offline = False  # a key in the environment means: log online (WANDB_MODE=offline overrides)
-        for callback in config.trainer.callbacks or []:
-            if callback.class_path.endswith("ModelCheckpoint") and callback.init_args.dirpath is None:
+        for callback in _checkpoint_callbacks(config):
+            if callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
         if config.data.root is None and config.get("ckpt_path"):
             # Predicting from a checkpoint alone: the eval transform must match training's, so take it from there.
@@ -141,6 +139,16 @@ class ImgclsCLI(LightningCLI):
             lines.append(f"{type(logger).__name__:<15} {logger.log_dir or logger.save_dir}")
         lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {run_dir.parent})")
         rank_zero_info("\n".join(lines))
+
+
+def _run_dir(config) -> Path:
+    """The run directory of a subcommand's config: trainer.default_root_dir."""
+    return Path(config.trainer.default_root_dir or "runs/default")
+
+
+def _checkpoint_callbacks(config) -> list:
+    """The ModelCheckpoint entries of a subcommand's config (not yet instantiated)."""
+    return [c for c in config.trainer.callbacks or [] if c.class_path.endswith("ModelCheckpoint")]
 
 
 class _DataInstantiator(_InstantiatorFn):
