@@ -17,6 +17,7 @@ from datamodules import ImageFolderDataModule
 from datamodules.validation import find_bad_images, image_problem
 from lightning_modules import ImageClassifier
 from tests.helpers import TINY, make_image_folder, run_cli
+from training.cli import main
 
 
 def _truncated_jpeg(path: Path) -> Path:
@@ -165,15 +166,18 @@ CLI_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
-def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case):
+def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
+    """`imgcls fit` in this process (the console script's function; the next test runs the real command)."""
     args, expected = CLI_CASES[case]
     root = make_image_folder(tmp_path / "data", {"a": 5, "b": 5}, splits=("train",), size=32)
     run = tmp_path / "run"
-    proc = run_cli("fit", *TINY, "--data.root", str(root), "--trainer.default_root_dir", str(run),
-                   "--trainer.max_epochs", "1", *args, check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert expected in proc.stderr
-    assert "Traceback" not in proc.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *TINY, "--data.root", str(root), "--trainer.default_root_dir", str(run),
+              "--trainer.max_epochs", "1", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err[-3000:]
+    assert expected in err
+    assert "Traceback" not in err
     assert not (run / "checkpoints").exists()  # nothing trained
 
 

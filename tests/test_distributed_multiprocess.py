@@ -138,7 +138,10 @@ def test_production_config_runs_on_eight_cpu_processes(tmp_path):
     out = tmp_path / "probe"
     proc = run_cli(
         "fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--trainer.accelerator", "cpu",
-        "--data.root", str(root), "--model.weights", "null", "--model.arch", "resnet18", "--model.head_hidden", "16",
+        # torch.compile stays off: 8 inductor compilations cost minutes on 2 cores, and the compiled path of this
+        # config is run once, in one process, by tests/test_cli.py::test_production_config_runs_one_batch_on_cpu.
+        "--data.root", str(root), "--model.weights", "null", "--model.compile", "false",
+        "--model.arch", "resnet18", "--model.head_hidden", "16",
         "--data.image_size", "32", "--data.batch_size", "2", "--data.num_workers", "0",
         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
         "--trainer.num_sanity_val_steps", "0", "--trainer.enable_model_summary", "false",
