@@ -27,6 +27,11 @@ def _restore_environ():
     os.environ.update(saved)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (several tests start 2 to 8 processes of their own)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
