@@ -51,7 +51,9 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
 
     tta = tables["Time to accuracy"]
     assert [r[0] for r in tta[1:]] == ["plain PyTorch loop, tensors in memory",
-                                       "imgcls fit (PNG files, loader, Lightning)", "imgcls / plain (target <= 1.2)"]
+                                       "imgcls fit (PNG files, loader, Lightning)",
+                                       "imgcls fit without checkpoints, figures, progress bar",
+                                       "imgcls / plain (target <= 1.2)"]
     assert tta[0][1:3] == ["time to 97% val/acc", "time to 99% val/acc"]
 
     gpu = text.split("## GPU throughput", 1)[1]
