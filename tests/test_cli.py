@@ -78,6 +78,13 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
     assert ckpt["hyper_parameters"]["class_names"] == [str(i) for i in range(10)]  # travels in the checkpoint
 
 
+def test_progress_bar_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
+    """The quickstart lists a RichProgressBar; --trainer.enable_progress_bar false must still run, without a bar."""
+    cli = cli_main(["fit", *_tiny_fit_args(digits_root, tmp_path / "run", epochs=1), "--trainer.max_steps", "1",
+                    "--trainer.enable_progress_bar", "false"])
+    assert cli.trainer.global_step == 1 and cli.trainer.progress_bar_callback is None
+
+
 class EpochRecorder(Callback):
     """Records which epochs this process trained."""
 

@@ -96,6 +96,9 @@ class ImgclsCLI(LightningCLI):
         for callback in _checkpoint_callbacks(config):
             if callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
+        if config.trainer.get("enable_progress_bar") is False and config.trainer.callbacks:
+            # The shipped configs list a RichProgressBar, which Lightning refuses next to enable_progress_bar=false.
+            config.trainer.callbacks = [c for c in config.trainer.callbacks if not c.class_path.endswith("ProgressBar")]
         if config.data.root is None and config.get("ckpt_path"):
             # Predicting from a checkpoint alone: the eval transform must match training's, so take it from there.
             saved = torch.load(config.ckpt_path, map_location="cpu", weights_only=True)
