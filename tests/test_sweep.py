@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -101,40 +102,45 @@ def _last_scalar(run_dir: Path, tag: str) -> float:
 
 @pytest.mark.slow
 def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reproduces(tmp_path, digits_root):
-    # Two grid points, few enough to run in CI: one finishes before the kill, the other is killed and retried.
-    path = write_sweep(tmp_path / "grid.yaml", digits_root, name="grid1x2", parameters={
-        "model.lr": {"values": [0.02, 0.2]}, "trainer.max_epochs": {"value": 1}})
+    path = write_sweep(tmp_path / "grid.yaml", digits_root)
     out = tmp_path / "sweep"
     db = out / "sweep.db"
+    log = tmp_path / "first_run.log"
     cmd = [sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(out)]
 
-    # 1. Start the sweep and kill it (the whole process group, as Ctrl-C or a job scheduler would) once the first
-    #    trial has finished and the second one is running.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    # 1. Start the 2x2 grid sweep and kill it (the whole process group, as Ctrl-C or a job scheduler would) once
+    #    the first trial has finished and the second one is running.
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
-            states = [t.state for t in _trials(db, "grid1x2")]
-            if TrialState.COMPLETE in states and TrialState.RUNNING in states:
-                break
-            assert proc.poll() is None, "the sweep ended before it could be interrupted"
+            assert proc.poll() is None, f"the sweep ended before it could be interrupted:\n{log.read_text()[-3000:]}"
+            # Read the study only once the sweep has created it: two processes creating one fresh SQLite schema
+            # at once collide (optuna issue 1092).
+            if "trial(s) to run" in log.read_text():
+                states = [t.state for t in _trials(db, "grid2x2")]
+                if TrialState.COMPLETE in states and TrialState.RUNNING in states:
+                    break
             time.sleep(0.5)
         else:
-            pytest.fail("no trial finished in time")
+            pytest.fail(f"no trial finished in time:\n{log.read_text()[-3000:]}")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # already gone when the sweep itself failed
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    first = [t for t in _trials(db, "grid1x2") if t.state == TrialState.COMPLETE]
+    first = [t for t in _trials(db, "grid2x2") if t.state == TrialState.COMPLETE]
     assert len(first) == 1
 
     # 2. The same command again: the interrupted trial is retried, the finished one is kept.
     resumed = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    trials = _trials(db, "grid1x2")
+    trials = _trials(db, "grid2x2")
     done = [t for t in trials if t.state == TrialState.COMPLETE]
-    assert {t.params["model.lr"] for t in done} == {0.02, 0.2}
-    assert len(done) == 2, "a finished grid point was run twice"
+    points = {(t.params["model.lr"], t.params["model.weight_decay"]) for t in done}
+    assert points == {(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)}
+    assert len(done) == 4, "a finished grid point was run twice"
     kept = next(t for t in done if t.number == first[0].number)
     assert kept.datetime_complete == first[0].datetime_complete and kept.value == first[0].value
     assert [t.state for t in trials].count(TrialState.FAIL) == 1  # the killed trial, retried under a new number
@@ -145,7 +151,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     assert "val/acc (maximize)" in resumed.stdout
 
     # 3. best.yaml reruns the best trial and gets its metric back.
-    best = optuna.load_study(study_name="grid1x2", storage=f"sqlite:///{db}").best_trial
+    best = optuna.load_study(study_name="grid2x2", storage=f"sqlite:///{db}").best_trial
     assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
     run_cli("fit", "--config", str(out / "best.yaml"))
     assert _last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,9 +212,20 @@ def open_study(sweep: Sweep, url: str, seed: int | None):
     import optuna
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-    # Heartbeats let a worker on another machine notice a trial whose worker died, and retry it.
-    storage = RDBStorage(url, heartbeat_interval=30, grace_period=120,
-                         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=None))
+    from sqlalchemy.exc import SQLAlchemyError
+
+    for attempt in range(5):
+        try:
+            # Heartbeats let a worker on another machine notice a trial whose worker died, and retry it.
+            storage = RDBStorage(url, heartbeat_interval=30, grace_period=120,
+                                 heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=None))
+            break
+        except SQLAlchemyError:
+            # Workers that start together on a fresh database race to create its tables (optuna issue 1092); the
+            # loser's insert fails, and on a retry it finds the winner's schema in place.
+            if attempt == 4:
+                raise
+            time.sleep(1 + attempt)
     direction = "maximize" if sweep.goal == "maximize" else "minimize"
     return optuna.create_study(study_name=sweep.name, storage=storage, direction=direction, load_if_exists=True,
                                sampler=make_sampler(sweep, seed), pruner=make_pruner(sweep.hyperband))
