@@ -30,7 +30,7 @@ from training.checkpointing import (
     resolve_resume,
     unsafe_message,
 )
-from training.faults import NonFiniteLossError, fault_callbacks
+from training.faults import NonFiniteLossError, fault_callbacks, lost_peer_message
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
@@ -211,6 +211,12 @@ def main(argv: list[str] | None = None) -> None:
         # the traceback adds nothing for the user (IMGCLS_TRACEBACK=1 shows it).
         print(f"imgcls: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as err:
+        message = lost_peer_message(err)
+        if message is None or os.environ.get("IMGCLS_TRACEBACK"):
+            raise
+        print(f"imgcls: error: {message}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

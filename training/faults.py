@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -143,6 +143,25 @@ def last_good_checkpoint(trainer: Trainer) -> str | None:
     paths = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
              for p in (cb.last_model_path, cb.best_model_path, *cb.best_k_models) if p and Path(p).is_file()]
     return max(paths, key=lambda p: Path(p).stat().st_mtime_ns) if paths else None
+
+
+def lost_peer_message(err: BaseException) -> str | None:
+    """One line for an error raised inside a torch.distributed collective (a peer died or hung, or the network
+    failed), or None for any other error. This rank's traceback only shows where it was waiting; the cause is in the
+    output of the rank that failed."""
+    if not isinstance(err, RuntimeError):  # DistError and gloo's errors; a ValueError is a bad setting instead
+        return None
+    tb, inside = err.__traceback__, isinstance(err, dist.DistError)
+    while tb is not None and not inside:
+        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        inside = "/torch/distributed/" in name or name.endswith("/torch/nn/parallel/distributed.py")
+        tb = tb.tb_next
+    if not inside:
+        return None
+    detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return (f"rank {rank_zero_only.rank} lost contact with the other processes during a collective ({detail}): a "
+            "peer crashed, was killed, or hung longer than trainer.strategy.timeout_s. Its own output names the "
+            "cause; rerun the same command to resume from the last checkpoint (auto_resume)")
 
 
 def fault_callbacks() -> list[Callback]:
