@@ -1,15 +1,19 @@
-"""`imgcls predict` from a checkpoint alone (predictions.csv, also under DDP) and `imgcls export` to ONNX/TorchScript."""
+"""A checkpoint alone, with no network: validate, predict (predictions.csv, also under DDP), resume, and `imgcls export`
+to ONNX/TorchScript, never downloading the pretrained weights that the run was fine-tuned from."""
 
 from __future__ import annotations
 
 import csv
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+import torchvision
+import yaml
 
 from datamodules.images import list_images, load_rgb
 from datamodules.presets import ClassificationPresetEval
@@ -18,14 +22,72 @@ from tests.helpers import CONFIGS, TINY, cli_env, free_port, run_cli
 from training.export import main as export_main
 
 
+FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--trainer.limit_train_batches", "4",
+       "--trainer.limit_val_batches", "1"]
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, digits_root):
-    """A checkpoint of a tiny run on the digits (one short epoch: the weights only need to be non-trivial)."""
+def hub_home(tmp_path_factory) -> Path:
+    """A TORCH_HOME whose hub cache holds a stand-in for resnet18's IMAGENET1K_V1 file (random weights, seeded)."""
+    home = tmp_path_factory.mktemp("hub_home")
+    (home / "hub" / "checkpoints").mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(),
+               home / "hub" / "checkpoints" / "resnet18-f37072fd.pth")  # IMAGENET1K_V1's file name
+    return home
+
+
+@pytest.fixture
+def offline_env(tmp_path_factory) -> dict[str, str]:
+    """An empty TORCH_HOME: loading pretrained weights would mean a download (which fails without a network)."""
+    return cli_env(TORCH_HOME=str(tmp_path_factory.mktemp("empty_torch_home")))
+
+
+def assert_nothing_downloaded(env: dict[str, str]) -> None:
+    assert not list(Path(env["TORCH_HOME"]).rglob("*")), "pretrained weights were fetched although the checkpoint had them"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, digits_root, hub_home):
+    """A checkpoint of a tiny run on the digits, fine-tuned from model.weights=IMAGENET1K_V1 with the backbone frozen
+    for its one short epoch: its hyperparameters name a torchvision weights enum, as a real fine-tuning run's do."""
     run = tmp_path_factory.mktemp("predict_run")
-    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(digits_root),
-            "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "1",
-            "--trainer.default_root_dir", str(run))
+    run_cli(*FIT, "--data.root", str(digits_root), "--model.weights", "IMAGENET1K_V1",
+            "--model.freeze_backbone_epochs", "1", "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(run),
+            env=cli_env(TORCH_HOME=str(hub_home)))
     return run / "checkpoints" / "last.ckpt"
+
+
+def load(checkpoint) -> ImageClassifier:
+    return ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights=None).float().eval()
+
+
+def test_fresh_fit_loads_the_pretrained_backbone(checkpoint, hub_home):
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["weights"] == "IMAGENET1K_V1"
+    pretrained = torch.load(hub_home / "hub" / "checkpoints" / "resnet18-f37072fd.pth", weights_only=True)
+    for key in ("conv1.weight", "layer4.1.bn2.running_var"):  # frozen for the whole run: still the cached values
+        assert torch.equal(saved["state_dict"][f"net.{key}"], pretrained[key])
+
+
+def test_validate_from_checkpoint_alone_downloads_nothing(checkpoint, digits_root, tmp_path, offline_env):
+    proc = run_cli("validate", "--ckpt_path", str(checkpoint), "--data.root", str(digits_root), "--data.image_size",
+                   "32", "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.limit_val_batches", "1",
+                   "--trainer.default_root_dir", str(tmp_path), env=offline_env)
+    assert "val/acc" in proc.stdout and "not loaded: the checkpoint supplies every weight" in proc.stdout + proc.stderr
+    assert_nothing_downloaded(offline_env)
+
+
+def test_resumed_fit_downloads_nothing_and_keeps_the_configured_weights(checkpoint, digits_root, tmp_path,
+                                                                        offline_env):
+    run_cli(*FIT, "--data.root", str(digits_root), "--model.weights", "IMAGENET1K_V1", "--trainer.max_epochs", "2",
+            "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(tmp_path), env=offline_env)
+    assert_nothing_downloaded(offline_env)
+    resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert resumed["epoch"] == 1
+    # A fresh fit of the resolved config, or of the new checkpoint's hyperparameters, still starts from them.
+    assert resumed["hyper_parameters"]["weights"] == "IMAGENET1K_V1"
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["weights"] == "IMAGENET1K_V1"
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +108,23 @@ def read_predictions(path) -> list[dict]:
 
 def reference(checkpoint, paths: list[str]) -> torch.Tensor:
     """Probabilities computed here, in-process, with the run's eval transform: (N, num_classes)."""
-    model = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu").float().eval()
+    model = load(checkpoint)
     data = torch.load(checkpoint, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"]
     tf = ClassificationPresetEval(preset=data["preset"], image_size=data["image_size"])
     with torch.no_grad():
         return model(torch.stack([tf(load_rgb(p)) for p in paths])).softmax(dim=1)
 
 
-def test_predict_from_checkpoint_alone_writes_csv(checkpoint, images, tmp_path):
+def test_predict_from_checkpoint_alone_writes_csv(checkpoint, images, tmp_path, offline_env):
     run_cli("predict", "--ckpt_path", str(checkpoint), "--data.root", "null", "--data.predict_dir", str(images),
-            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path))
+            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path),
+            env=offline_env)
+    assert_nothing_downloaded(offline_env)
     rows = read_predictions(tmp_path / "predictions.csv")
     paths = list_images(images)
     assert [r["path"] for r in rows] == paths  # every image once, in file order
     probs = reference(checkpoint, paths)
-    names = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu").class_names
+    names = load(checkpoint).class_names
     for row, p in zip(rows, probs, strict=True):
         top = p.topk(5)
         assert int(row["label"]) == int(top.indices[0]) and row["class_name"] == names[int(top.indices[0])]
@@ -71,11 +135,11 @@ def test_predict_from_checkpoint_alone_writes_csv(checkpoint, images, tmp_path):
 
 
 @pytest.mark.slow
-def test_predict_under_ddp_merges_ranks_without_padding_duplicates(checkpoint, images, tmp_path):
+def test_predict_under_ddp_merges_ranks_without_padding_duplicates(checkpoint, images, tmp_path, offline_env):
     run_cli("predict", "--ckpt_path", str(checkpoint), "--data.root", "null", "--data.predict_dir", str(images),
             "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
             "--trainer.strategy", "ddp", "--trainer.default_root_dir", str(tmp_path),
-            env=cli_env(MASTER_PORT=str(free_port())))
+            env={**offline_env, "MASTER_PORT": str(free_port())})
     rows = read_predictions(tmp_path / "predictions.csv")
     paths = list_images(images)
     assert [r["path"] for r in rows] == paths  # 7 images on 2 ranks: each once, in order, none padded in
@@ -84,12 +148,13 @@ def test_predict_under_ddp_merges_ranks_without_padding_duplicates(checkpoint, i
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
-def test_export_matches_pytorch(checkpoint, tmp_path, fmt):
-    run_cli("export", "--ckpt_path", str(checkpoint), "--format", fmt, "--out", str(tmp_path))
+def test_export_matches_pytorch(checkpoint, tmp_path, fmt, offline_env):
+    run_cli("export", "--ckpt_path", str(checkpoint), "--format", fmt, "--out", str(tmp_path), env=offline_env)
+    assert_nothing_downloaded(offline_env)
     meta = json.loads((tmp_path / "model.json").read_text())
     size = meta["preprocessing"]["image_size"]
     assert size == 32 and len(meta["class_names"]) == 10 and meta["preprocessing"]["steps"]
-    model = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu").float().eval()
+    model = load(checkpoint)
     x = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(0))  # batch 3 != export's 2
     with torch.no_grad():
         expected = model(x).numpy()

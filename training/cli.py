@@ -107,9 +107,11 @@ class ImgclsCLI(LightningCLI):
                     config.data[key] = saved["datamodule_hyper_parameters"][key]
 
     def _add_instantiators(self) -> None:
-        super()._add_instantiators()
+        super()._add_instantiators()  # the model and data instantiators below replace the two Lightning adds
+        self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
+                                    subclasses=self.subclass_mode_model)
         self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ImageFolderDataModule,
-                                    subclasses=self.subclass_mode_data)  # replaces the one Lightning added
+                                    subclasses=self.subclass_mode_data)
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
@@ -152,6 +154,18 @@ def _run_dir(config) -> Path:
 def _checkpoint_callbacks(config) -> list:
     """The ModelCheckpoint entries of a subcommand's config (not yet instantiated)."""
     return [c for c in config.trainer.callbacks or [] if c.class_path.endswith("ModelCheckpoint")]
+
+
+class _ModelInstantiator(_InstantiatorFn):
+    """With a ckpt_path (validate, test, predict, a resumed fit) the checkpoint overwrites every weight, so the
+    network is built without `model.weights`: no download, which offline machines cannot make. The hyperparameters
+    come from the config, so config.yaml and new checkpoints keep the configured weights for a fresh fit."""
+
+    def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
+        if kwargs.get("weights") and self.cli.config[self.cli.subcommand].get("ckpt_path"):
+            rank_zero_info(f"model.weights={kwargs['weights']} not loaded: the checkpoint supplies every weight")
+            kwargs["weights"] = None
+        return super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
 
 
 class _DataInstantiator(_InstantiatorFn):

@@ -28,7 +28,9 @@ def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
     ckpt_path = Path(ckpt_path)
     if not ckpt_path.is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
-    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu").float().eval()
+    # weights=None: the checkpoint holds every weight, so the pretrained ones it was fine-tuned from (model.weights)
+    # are neither needed nor downloaded.
+    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights=None).float().eval()
     data = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("datamodule_hyper_parameters", {})
     return model, data
 
