@@ -249,8 +249,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         kept = {train[i][1] for i in val_idx}
         if len(kept) < len(self.class_names):
             empty = [self.class_names[c] for c in range(len(self.class_names)) if c not in kept]
-            raise ValueError(f"data.val_split={self.val_split} leaves class(es) {empty} with no validation image; "
-                             "raise data.val_split or add a val/ folder")
+            raise ValueError(f"data.val_split={self.val_split} of {self.root / 'train'} leaves class(es) {empty} "
+                             "with no validation image; raise data.val_split or add a val/ folder")
         return [train[i] for i in sorted(train_idx)], [train[i] for i in sorted(val_idx)]
 
     # ---- loaders --------------------------------------------------------------------------------------------

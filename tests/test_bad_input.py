@@ -136,12 +136,17 @@ def _layout(tmp_path: Path, case: str) -> tuple[Path, dict, str]:
     if case == "val split leaves a class empty":
         for f in sorted((root / "train" / "b").iterdir())[1:]:
             f.unlink()  # class b keeps 1 image: nothing left for validation
-        return root, {"val_split": 0.2}, "data.val_split=0.2 of"
+        return root, {"val_split": 0.2}, f"data.val_split=0.2 of {root / 'train'} leaves a class empty"
+    if case == "val split draws no image of a small class":
+        make_image_folder(root, {"a": 12}, splits=("train",), size=32)
+        for f in sorted((root / "train" / "b").iterdir())[2:]:
+            f.unlink()  # 12 a, 2 b: a stratified 10% (2 images) draws both from a
+        return root, {"val_split": 0.1}, f"data.val_split=0.1 of {root / 'train'} leaves class(es) ['b'] with no"
     raise AssertionError(case)
 
 
 LAYOUTS = ["missing root", "no images", "no class folders", "empty class folder", "val classes differ",
-           "single class", "val split leaves a class empty"]
+           "single class", "val split leaves a class empty", "val split draws no image of a small class"]
 
 
 @pytest.mark.parametrize("case", LAYOUTS)
