@@ -104,7 +104,9 @@ class ImageClassifier(L.LightningModule):
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
         self.train_acc(logits, y)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
+        # Per epoch, over every training image of every rank (torchmetrics syncs it once): one batch's accuracy is
+        # too noisy to read, and the epoch value sits on the same axis as val/acc.
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:

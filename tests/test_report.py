@@ -26,11 +26,14 @@ def test_report_from_csv_log_writes_curves_and_summary(tmp_path, digits_root):
             assert img.size[0] > 300 and img.size[1] > 200
     series = read_csv(run)
     assert len(series["train/loss"]) == 6 and len(series["lr-AdamW/pg4"]) == 6  # every step of 2 x 3 batches
+    assert len(series["train/acc"]) == 2  # once per epoch, under the name the dashboards show
+    assert not {"train/acc_step", "train/acc_epoch"} & set(series)
     with open(run / "metrics.csv", newline="") as f:
         last_val_acc = [float(r["val/acc"]) for r in csv.DictReader(f) if r["val/acc"]][-1]
     md = (out / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| val/acc |"))
     assert row.split("|")[2].strip() == f"{last_val_acc:.4f}"
+    assert any(line.startswith("| train/acc |") for line in md.splitlines())
     assert "![loss](loss.png)" in md and "../figures/confusion_matrix.png" in md
     assert f"imgcls fit --config {run / 'config.yaml'}" in md
     assert "report.md" in proc.stdout

@@ -20,9 +20,9 @@ Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], sorted
 
 # (file, title, y label, which metrics) for each plot; a metric goes where its name matches.
 PLOTS = (
-    ("loss.png", "Loss", "cross-entropy", lambda name: name.endswith("/loss") or name.endswith("/loss_epoch")),
+    ("loss.png", "Loss", "cross-entropy", lambda name: name.endswith("/loss")),
     ("accuracy.png", "Accuracy", "accuracy",
-     lambda name: name.split("/")[-1] in ("acc", "acc_epoch", "acc_top5", "acc_best", "f1_macro")),
+     lambda name: name.split("/")[-1] in ("acc", "acc_top5", "acc_best", "f1_macro")),
     ("learning_rate.png", "Learning rate", "lr", lambda name: name.startswith("lr-")),
 )
 
