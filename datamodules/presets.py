@@ -43,7 +43,7 @@ class ClassificationPresetTrain:
                 v2.RandomHorizontalFlip(),
             ]
         elif preset == "keras":
-            # The Keras ImageDataGenerator recipe of the seed: rotation ±20°, shifts of 0.2, flip, rescale 1/255.
+            # The classic Keras ImageDataGenerator recipe: rotation ±20°, shifts of 0.2, flip, rescale 1/255.
             steps = [
                 v2.PILToTensor(),
                 v2.Resize((image_size, image_size), antialias=True),

@@ -1,4 +1,4 @@
-"""Plain-torch network builder: a torchvision ResNet with the seed's classification head."""
+"""Plain-torch network builder: a torchvision ResNet with the classic Keras fine-tuning head (pool -> 1024 -> classes)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def build_resnet(
     dropout: float = 0.2,
     num_classes: int = 1000,
 ) -> nn.Module:
-    """A torchvision ResNet whose `fc` is the seed's head.
+    """A torchvision ResNet whose `fc` is the classic Keras fine-tuning head.
 
     The backbone ends in torchvision's global average pool, so the head sees (B, features):
     Linear(features -> head_hidden) -> ReLU -> Dropout -> Linear(-> num_classes); head_hidden=0 gives one Linear.
