@@ -13,7 +13,6 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -236,6 +235,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         if (self.root / "val").is_dir():
             return train, scan_split(self.root / "val", self.class_names)
         # Seeded and stratified, over a sorted file list: every rank and every run gets the same split.
+        from sklearn.model_selection import train_test_split  # here: importing it costs ~1 s of start-up
+
         targets = [t for _, t in train]
         try:
             train_idx, val_idx = train_test_split(
