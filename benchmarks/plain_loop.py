@@ -1,0 +1,92 @@
+"""The baseline of the time-to-accuracy benchmark: the quickstart recipe as a plain PyTorch loop on in-memory tensors.
+
+    BENCH_DATA=data/digits BENCH_RECIPE='{...}' BENCH_CLOCK=clock.jsonl BENCH_T0=$(date +%s.%N) \
+        python -m benchmarks.plain_loop
+
+It imports only torch and torchvision (not Lightning, not this project's packages), so that its start-up is what a
+hand-written script pays. It appends {epoch, val_acc, seconds since $BENCH_T0} to $BENCH_CLOCK after each epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchvision.io import ImageReadMode, decode_image, read_file
+
+
+def load_split(split_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every image of an image-folder split as one uint8 (N, 3, H, W) tensor, and the class indices."""
+    classes = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
+    files = [(f, c) for c, name in enumerate(classes) for f in sorted((split_dir / name).iterdir())]
+    x = torch.stack([decode_image(read_file(str(f)), mode=ImageReadMode.RGB) for f, _ in files])
+    return x, torch.tensor([c for _, c in files])
+
+
+def network(arch: str, head_hidden: int, dropout: float, num_classes: int) -> nn.Module:
+    net = getattr(torchvision.models, arch)(weights=None)
+    features = net.fc.in_features
+    net.fc = nn.Sequential(nn.Linear(features, head_hidden), nn.ReLU(inplace=True), nn.Dropout(dropout),
+                           nn.Linear(head_hidden, num_classes))
+    return net.to(memory_format=torch.channels_last)
+
+
+def train(data: Path, recipe: dict, *, start: float, max_batches: int | None = None):
+    """Yields {epoch, val_acc, seconds since `start`} after each epoch."""
+    torch.manual_seed(recipe["seed"])
+    x_train, y_train = load_split(data / "train")
+    x_val, y_val = load_split(data / "val")
+    size = recipe["image_size"]
+    if x_train.shape[-1] != size:
+        x_train = F.interpolate(x_train.float(), size=(size, size), mode="bilinear", antialias=True).round().byte()
+        x_val = F.interpolate(x_val.float(), size=(size, size), mode="bilinear", antialias=True).round().byte()
+    net = network(recipe["arch"], recipe["head_hidden"], recipe["dropout"], int(y_train.max()) + 1)
+    batch = recipe["batch"]
+    lr = recipe["lr"] * batch / 256  # linear scaling of the per-256 rate, as the LightningModule does
+    decay = [p for p in net.parameters() if p.ndim > 1]
+    no_decay = [p for p in net.parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=recipe["betas"])
+    steps_per_epoch = len(x_train) // batch
+    total, warmup = steps_per_epoch * recipe["epochs"], int(recipe["warmup_epochs"] * steps_per_epoch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else
+                                              0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / (total - warmup)))))
+
+    def prepare(x: torch.Tensor) -> torch.Tensor:  # uint8 (B, 3, H, W) -> float in [0, 1], NHWC
+        return (x.float() / 255).contiguous(memory_format=torch.channels_last)
+
+    for epoch in range(recipe["epochs"]):
+        net.train()
+        order = torch.randperm(len(x_train))
+        for i in range(steps_per_epoch if max_batches is None else min(max_batches, steps_per_epoch)):
+            idx = order[i * batch:(i + 1) * batch]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(net(prepare(x_train[idx])), y_train[idx], label_smoothing=recipe["label_smoothing"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        net.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            pred = torch.cat([net(prepare(x_val[i:i + 256])).argmax(1) for i in range(0, len(x_val), 256)])
+        yield {"epoch": epoch + 1, "val_acc": (pred == y_val).float().mean().item(), "seconds": time.time() - start}
+
+
+def main() -> None:
+    recipe = json.loads(os.environ["BENCH_RECIPE"])
+    max_batches = int(os.environ["BENCH_MAX_BATCHES"]) if os.environ.get("BENCH_MAX_BATCHES") else None
+    for record in train(Path(os.environ["BENCH_DATA"]), recipe, start=float(os.environ["BENCH_T0"]),
+                        max_batches=max_batches):
+        with open(os.environ["BENCH_CLOCK"], "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
