@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,13 +41,21 @@ def cli_env(**extra: str) -> dict[str, str]:
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `imgcls ARGS...` as a user would; on failure the assertion shows the output."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.cli", *args], cwd=cwd or ROOT, env=env or cli_env(),
-        capture_output=True, text=True, timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", "training.cli", *args]
+    # Its own session: a timeout then kills the DDP ranks the launcher started too, not only the launcher.
+    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=env or cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:  # our timeout, or pytest-timeout / Ctrl-C interrupting the wait
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            pytest.fail(f"imgcls {' '.join(args)} timed out after {timeout}s\n{out[-4000:]}\n{err[-6000:]}")
+        raise
     if check:
-        assert proc.returncode == 0, f"imgcls {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return proc
+        assert proc.returncode == 0, f"imgcls {' '.join(args)} exited {proc.returncode}\n{out[-4000:]}\n{err[-6000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def free_port() -> int:
