@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 from lightning.pytorch import Callback
 
 
 class KillAt(Callback):
-    """SIGKILL this process (no cleanup, like an OOM kill or a lost node) after training step `step`.
+    """SIGKILL this process (no cleanup, like an OOM kill or a lost node), or send it `sig`, after training step `step`.
 
-    `where` is `train` (at the end of that training step, after any checkpoint of that step was written) or `val`
-    (after the first validation batch that follows that step). `rank` limits the kill to one process.
+    `where` is `train` (at the end of that training step, after any checkpoint of that step was written),
+    `train_start` (at the start of the next step, before its forward) or `val` (after the first validation batch that
+    follows that step). `rank` limits the kill to one process. `stamp`, a file path, receives `time.time()` just before
+    the signal, so that a test can time what the other processes do after it.
     """
 
-    def __init__(self, step: int, where: str = "train", rank: int | None = None, sig: int = 9) -> None:
-        self.step, self.where, self.rank, self.sig = step, where, rank, sig
+    def __init__(self, step: int, where: str = "train", rank: int | None = None, sig: int = 9,
+                 stamp: str | None = None) -> None:
+        self.step, self.where, self.rank, self.sig, self.stamp = step, where, rank, sig, stamp
 
     def _maybe_kill(self, trainer) -> None:
         if trainer.global_step == self.step and (self.rank is None or trainer.global_rank == self.rank):
+            if self.stamp:
+                Path(self.stamp).write_text(repr(time.time()))
             os.kill(os.getpid(), self.sig)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
