@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import errno
-import os
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import training.checkpointing as checkpointing
 from lightning_modules.network import build_resnet
-from tests.helpers import TINY, make_image_folder, run_cli
+from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
 from training.callbacks import redact_secrets
 from training.checkpointing import (
     AtomicCheckpointIO,
@@ -118,23 +118,15 @@ def test_redact_secrets_masks_url_passwords_and_secret_env_values(monkeypatch):
     assert "https://x.org/a" in out
 
 
-def test_nan_loss_stops_with_step_and_last_good_checkpoint_and_no_secret_is_saved(tmp_path):
-    """A huge lr blows the weights up; the run stops at the first non-finite loss, and nothing NaN is on disk.
-
-    The same run carries a password in a URL and WANDB_API_KEY in its environment: neither may reach the run folder.
-    """
+def test_nan_loss_stops_with_step_and_last_good_checkpoint(tmp_path):
+    """A huge lr blows the weights up; the run stops at the first non-finite loss, and nothing NaN is on disk."""
     data = make_image_folder(tmp_path / "data", {"a": 8, "b": 8}, splits=("train", "val"), size=32)
     run = tmp_path / "run"
-    key = "wandb-secret-key-0123456789"
-    env = dict(os.environ, WANDB_API_KEY=key, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-               OMP_NUM_THREADS="1")
     proc = run_cli(
         "fit", *TINY, "--data.root", str(data), "--data.batch_size", "4", "--trainer.default_root_dir", str(run),
         "--trainer.max_epochs", "3", "--model.lr", "1e12", "--model.lr_scaling", "none", "--model.warmup_epochs", "0",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_last", "true",
-        "--data.predict_dir", "postgresql://alice:hunter2@db:5432/optuna",
-        check=False, env=env,
+        "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_last", "true", check=False,
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
@@ -144,9 +136,59 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint_and_no_secret_is_save
         state = torch.load(ckpt, weights_only=True)["state_dict"]
         weights = {k: v for k, v in state.items() if k.startswith("net.") and v.is_floating_point()}
         assert weights and all(torch.isfinite(v).all() for v in weights.values()), ckpt
-    config = (run / "config.yaml").read_text()
-    assert "postgresql://alice:***@db:5432/optuna" in config
-    for f in run.rglob("*"):
-        if f.is_file() and f.suffix != ".ckpt":
-            blob = f.read_bytes()
-            assert b"hunter2" not in blob and key.encode() not in blob, f
+
+
+API_KEY = "wandb-secret-key-0123456789"
+DB_URL = "postgresql://alice:hunter2-db-password@db:5432/optuna"
+MASKED_URL = "postgresql://alice:***@db:5432/optuna"
+
+
+def _strings(obj) -> list[str]:
+    """Every string (keys included) in a checkpoint loaded with weights_only=True."""
+    if isinstance(obj, (str, bytes)):
+        return [obj if isinstance(obj, str) else obj.decode("latin-1")]
+    if isinstance(obj, dict):
+        return [s for k, v in obj.items() for s in _strings(k) + _strings(v)]
+    if isinstance(obj, (list, tuple, set)):
+        return [s for v in obj for s in _strings(v)]
+    return []
+
+
+@pytest.mark.parametrize("given", [
+    "config file",
+    pytest.param("command line", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        "wandb records sys.argv in its run metadata (run-*.wandb), where RunConfig's redaction does not reach; "
+        "training/cli.py must mask it before the wandb run starts"))),
+])
+def test_no_secret_reaches_the_run_folder(tmp_path, given):
+    """A database URL with a password in a config value and WANDB_API_KEY in the environment, with TensorBoard and
+    wandb (offline) logging the run: neither secret may be written into the run folder.
+
+    The URL travels where config values go: config.yaml, the config logged to both loggers, and the DataModule's
+    hyperparameters (logged by Lightning and stored in every checkpoint). wandb itself reads the API key.
+    """
+    data = make_image_folder(tmp_path / "data", {"a": 4, "b": 4}, size=32)
+    run = tmp_path / "run"
+    if given == "config file":
+        secrets = tmp_path / "secrets.yaml"
+        secrets.write_text(yaml.safe_dump({"data": {"predict_dir": DB_URL}}))
+        url_args = ["--config", str(secrets)]
+    else:
+        url_args = ["--data.predict_dir", DB_URL]
+    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "loggers" / "wandb.yaml"),
+            *url_args, *TINY, "--data.root", str(data), "--data.batch_size", "4", "--trainer.max_epochs", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run),
+            env=cli_env(WANDB_API_KEY=API_KEY, WANDB_MODE="offline", WANDB_SILENT="true"))
+    checkpoints = sorted((run / "checkpoints").glob("*.ckpt"))
+    wandb_run = next((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    # The URL did reach each place, masked: so the scan below looks where a leak would be.
+    for blob in ((run / "config.yaml").read_bytes(), (run / "hparams.yaml").read_bytes(), wandb_run.read_bytes()):
+        assert MASKED_URL.encode() in blob
+    assert checkpoints and all(
+        torch.load(c, weights_only=True)["datamodule_hyper_parameters"]["predict_dir"] == MASKED_URL
+        for c in checkpoints)
+    for f in (f for f in run.rglob("*") if f.is_file()):
+        texts = _strings(torch.load(f, weights_only=True)) if f.suffix == ".ckpt" else [f.read_bytes().decode("latin-1")]
+        leaks = [t[max(0, i - 80): i + 80] for t in texts for secret in ("hunter2", API_KEY)
+                 if (i := t.find(secret)) >= 0]
+        assert not leaks, f"{f} holds a secret: {leaks}"
