@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
@@ -127,3 +129,38 @@ def _decode_one(encoded: torch.Tensor) -> torch.Tensor:
         return decode_jpeg(encoded, mode=ImageReadMode.RGB)
     except RuntimeError:
         return pil_to_tensor(load_rgb(io.BytesIO(encoded.numpy().tobytes())))
+
+
+def decode_for_crop(encoded: torch.Tensor, crop: Callable[[int, int], dict], size: tuple[int, int], *,
+                    fast: bool) -> tuple[torch.Tensor, dict]:
+    """Decode a JPEG's bytes for a crop that is resized to `size`: (uint8 (3, h, w) image, crop in its pixels).
+
+    `crop(height, width)` draws the crop (top, left, height, width) for the full-size image, whose size is read from
+    the header first. Exact (`fast` false): the pixels of `read_image`. Fast: libjpeg-turbo's fast integer IDCT and
+    chroma upsampling, and the image decoded at 1/2, 1/4 or 1/8 scale in the DCT domain when the crop stays at
+    least `size` there (less work than decoding it whole and shrinking it afterwards); the crop is scaled with it.
+    """
+    if fast:
+        try:
+            height, width = simplejpeg.decode_jpeg_header(encoded.numpy())[:2]
+        except ValueError:  # not a JPEG after all (a PNG named .jpg): decoded exactly below
+            pass
+        else:
+            params = crop(height, width)
+            factor = 1
+            while (factor < 8 and params["height"] >= 2 * factor * size[0]
+                   and params["width"] >= 2 * factor * size[1]):
+                factor *= 2
+            try:
+                array = simplejpeg.decode_jpeg(encoded.numpy(), fastdct=True, fastupsample=True,
+                                               min_height=-(-height // factor), min_width=-(-width // factor))
+            except ValueError:  # a JPEG that libjpeg-turbo's fast path refuses: decoded exactly below
+                pass
+            else:
+                image = torch.from_numpy(array).permute(2, 0, 1)  # (3, h, w), HWC in memory like decode_jpeg's
+                sy, sx = image.shape[1] / height, image.shape[2] / width
+                top, left = int(params["top"] * sy), int(params["left"] * sx)
+                return image, dict(top=top, left=left, height=min(round(params["height"] * sy), image.shape[1] - top),
+                                   width=min(round(params["width"] * sx), image.shape[2] - left))
+    image = _decode_one(encoded)
+    return image, crop(image.shape[1], image.shape[2])

@@ -10,11 +10,13 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from datamodules import ImageFolderDataModule
-from datamodules.images import load_rgb, read_image
+from datamodules.image_folder import stack_images
+from datamodules.images import decode_for_crop, load_rgb, read_encoded, read_image
 from datamodules.presets import (
     PRESETS,
     ClassificationPresetEval,
     ClassificationPresetTrain,
+    RandomResizedCropFlip,
     float_transform,
 )
 from tests.helpers import make_image_folder
@@ -119,6 +121,96 @@ def test_trainer_feeds_the_model_normalized_floats(tmp_path, augment_on_device):
               enable_model_summary=False, num_sanity_val_steps=0).fit(Probe(), datamodule=dm)
     for x in seen.values():
         assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and x.min() < 0  # normalized: below zero
+
+
+def test_crop_flip_draws_what_the_v2_transforms_draw(tmp_path):
+    """RandomResizedCropFlip skips v2's dispatch, not its randomness: the same seed, the same pixels."""
+    path = _photo(tmp_path / "img.jpg", size=(200, 150))
+    reference = v2.Compose([v2.RandomResizedCrop(64, antialias=True), v2.RandomHorizontalFlip()])
+    fast = RandomResizedCropFlip(64)
+    inputs = {"tensor": read_image(path), "PIL": load_rgb(path), "JPEG bytes": read_encoded(path)}
+    assert inputs["JPEG bytes"].ndim == 1
+    flips = set()
+    for seed in range(12):
+        torch.manual_seed(seed)
+        expected = reference(read_image(path))
+        for name, image in inputs.items():
+            torch.manual_seed(seed)
+            got = fast(image)
+            assert torch.equal(got, expected), (seed, name)
+        flips.add(bool(torch.equal(expected, v2.functional.horizontal_flip(expected))))
+    assert got.stride(0) == 1  # (3, S, S) stored HWC: channels_last batches without a copy
+
+
+def test_fast_decode_stays_close_to_the_exact_decode(tmp_path):
+    path = _photo(tmp_path / "img.jpg", size=(500, 375))
+    for size, limit in ((224, 3.0), (64, 12.0)):  # 64 px: most crops are decoded at 1/2 to 1/8 scale
+        exact, fast = RandomResizedCropFlip(size), RandomResizedCropFlip(size, fast_decode=True)
+        for seed in range(8):
+            torch.manual_seed(seed)
+            reference = exact(read_encoded(path))
+            torch.manual_seed(seed)
+            got = fast(read_encoded(path))
+            assert got.shape == reference.shape == (3, size, size) and got.dtype == torch.uint8
+            assert not torch.equal(got, reference)  # really the fast path
+            assert (got.float() - reference.float()).abs().mean() < limit  # grey levels of 255
+
+
+def test_fast_decode_decodes_at_reduced_size_only_when_the_crop_allows_it(tmp_path):
+    encoded = read_encoded(_photo(tmp_path / "img.jpg", size=(512, 384)))
+
+    def whole(height, width):
+        return dict(top=0, left=0, height=height, width=width)
+
+    for size, shape in ((32, (48, 64)), (96, (96, 128)), (192, (192, 256)), (200, (384, 512))):
+        image, crop = decode_for_crop(encoded, whole, (size, size), fast=True)
+        assert tuple(image.shape[1:]) == shape and (crop["height"], crop["width"]) == shape
+    image, crop = decode_for_crop(encoded, whole, (32, 32), fast=False)
+    assert torch.equal(image, read_image(str(tmp_path / "img.jpg"))) and crop["height"] == 384
+
+
+def test_fast_decode_converts_cmyk_and_leaves_non_jpegs_to_the_exact_decoder(tmp_path):
+    cmyk = _photo(tmp_path / "cmyk.jpg", "CMYK", size=(80, 60))
+    png = tmp_path / "png.jpg"  # a PNG named .jpg: no JPEG header, decoded by PIL as read_image does
+    Image.fromarray(np.full((40, 40, 3), 9, np.uint8)).save(png, format="PNG")
+    for path, limit in ((cmyk, 3.0), (str(png), 0.0)):
+        torch.manual_seed(0)
+        expected = RandomResizedCropFlip(32)(read_image(path))
+        torch.manual_seed(0)
+        got = RandomResizedCropFlip(32, fast_decode=True)(read_encoded(path))
+        assert (got.float() - expected.float()).abs().mean() <= limit, path
+
+
+def test_stack_images_is_torch_stack_in_channels_last():
+    planar = [torch.randint(0, 256, (3, 8, 6), dtype=torch.uint8) for _ in range(4)]
+    interleaved = [x.unsqueeze(0).contiguous(memory_format=torch.channels_last)[0] for x in planar]
+    for images in (planar, interleaved, [x[:, 1:5, 1:4] for x in interleaved]):
+        batch = stack_images(images)
+        assert torch.equal(batch, torch.stack(planar)[:, :, :batch.shape[2], :batch.shape[3]]
+                           if images[0].shape == planar[0].shape else torch.stack(images))
+    assert stack_images(interleaved).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_datamodule_fast_decode_changes_training_images_only(tmp_path):
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        for c in "ab":
+            (root / split / c).mkdir(parents=True)
+            for i in range(3):
+                _photo(root / split / c / f"{i}.jpg", size=(160 + 10 * i, 120))
+    batches = {}
+    for fast in (False, True):
+        dm = ImageFolderDataModule(root=str(root), batch_size=6, num_workers=0, image_size=64, fast_decode=fast)
+        dm.setup("fit")
+        torch.manual_seed(5)
+        train = next(iter(dm.train_dataloader()))
+        batches[fast] = (train, next(iter(dm.val_dataloader())))
+    (train_exact, val_exact), (train_fast, val_fast) = batches[False], batches[True]
+    assert torch.equal(train_exact[1], train_fast[1]) and not torch.equal(train_exact[0], train_fast[0])
+    assert (train_exact[0].float() - train_fast[0].float()).abs().mean() < 12.0
+    assert torch.equal(val_exact[0], val_fast[0])  # evaluation is always decoded exactly
+    with pytest.raises(ValueError, match="data.fast_decode"):
+        ImageFolderDataModule(root=str(root), preset="none", fast_decode=True)
 
 
 def _mixed_folder(root):
