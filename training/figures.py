@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFont
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from PIL import Image, ImageDraw, ImageFont
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 
