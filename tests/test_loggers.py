@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
+from training.callbacks import WANDB_RUN_ID_FILE
+from training.cli import ImgclsCLI, cli_main
 
 EPOCHS = 2
 
@@ -21,15 +24,24 @@ def git_head() -> str:
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
+WANDB_VARS = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_SWEEP_ID", "WANDB_RUN_ID")
+
+
+def offline_env() -> dict[str, str]:
+    return {k: v for k, v in cli_env(WANDB_SILENT="true").items() if k not in WANDB_VARS}
+
+
+def fit_args(root: Path, run: Path) -> list[str]:
+    return ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "loggers" / "wandb.yaml"),
+            *TINY, "--data.root", str(root), "--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", "3",
+            "--trainer.limit_val_batches", "2", "--trainer.default_root_dir", str(run)]
+
+
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory, digits_root) -> Path:
     """One tiny 2-epoch run with configs/loggers/wandb.yaml (TensorBoard + W&B offline), no network, no API key."""
     run = tmp_path_factory.mktemp("wandb_run")
-    env = {k: v for k, v in cli_env(WANDB_SILENT="true").items() if k not in ("WANDB_API_KEY", "WANDB_MODE")}
-    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "loggers" / "wandb.yaml"),
-            *TINY, "--data.root", str(digits_root), "--trainer.max_epochs", str(EPOCHS),
-            "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
-            "--trainer.default_root_dir", str(run), env=env)
+    run_cli(*fit_args(digits_root, run), env=offline_env())
     return run
 
 
@@ -83,10 +95,51 @@ def test_wandb_offline_run_holds_metrics_config_and_images(wandb_run):
     assert sum(summary["config"]["data"]["val"].values()) > 0
 
 
+def wandb_run_record(run_dir: Path) -> dict:
+    """The `run` record of the folder's one offline wandb run: its id, group, whether it resumes."""
+    records = [json.loads(line) for line in _wandb_inspect(run_dir, "--json").splitlines() if line.strip()]
+    return next(r["run"] for r in records if r.get("type") == "run")
+
+
+def test_resumed_fit_continues_the_same_wandb_run(wandb_run, digits_root, tmp_path):
+    # The finished run's folder, moved: a resume that trains nothing still opens its W&B run (setup, final validation).
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copy(wandb_run / "checkpoints" / "last.ckpt", tmp_path / "checkpoints")
+    shutil.copy(wandb_run / WANDB_RUN_ID_FILE, tmp_path)
+    run_cli(*fit_args(digits_root, tmp_path), "--ckpt_path", "last", env=offline_env())
+    first, resumed = wandb_run_record(wandb_run), wandb_run_record(tmp_path)
+    assert resumed["run_id"] == first["run_id"] == (wandb_run / WANDB_RUN_ID_FILE).read_text().strip()
+    assert resumed.get("resume") is True and not first.get("resume")
+    # The id stays out of the resolved config: rerun elsewhere, config.yaml starts a W&B run of its own.
+    loggers = yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["logger"]
+    assert next(lg for lg in loggers if lg["class_path"].endswith("WandbLogger"))["init_args"].get("id") is None
+
+
+@pytest.mark.parametrize(("env", "online", "agent_run"), [
+    ({}, False, None),
+    ({"WANDB_API_KEY": "k" * 40}, True, None),
+    ({"WANDB_API_KEY": "k" * 40, "WANDB_MODE": "offline"}, False, None),
+    ({"WANDB_SWEEP_ID": "sweep1", "WANDB_RUN_ID": "run1"}, True, "run1"),  # what `wandb agent` sets for its runs
+], ids=["no-key", "api-key", "key-but-WANDB_MODE", "wandb-agent"])
+def test_wandb_goes_online_with_a_key_or_under_an_agent(monkeypatch, digits_root, tmp_path, env, online, agent_run):
+    for var in WANDB_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr("sys.argv", ["imgcls"])
+    # Configure and instantiate everything, but run nothing: an online run would need the network.
+    monkeypatch.setattr(ImgclsCLI, "_run_subcommand", lambda self, subcommand: None)
+    cli = cli_main(fit_args(digits_root, tmp_path))
+    config = next(c for c in cli.config.fit.trainer.logger if c.class_path.endswith("WandbLogger"))
+    assert config.init_args.offline is (not online)  # what the logger was built with, and what config.yaml records
+    run_dir = tmp_path / agent_run if agent_run else tmp_path  # the agent runs one command line for every trial
+    assert Path(cli.trainer.default_root_dir) == run_dir
+    assert next(lg for lg in cli.trainer.loggers if type(lg).__name__ == "WandbLogger").save_dir == str(run_dir)
+
+
 @pytest.mark.slow
 def test_ddp_run_makes_one_wandb_run_and_a_confusion_matrix_of_every_rank(tmp_path, digits_root):
-    env = {k: v for k, v in cli_env(WANDB_SILENT="true", MASTER_PORT=str(free_port())).items()
-           if k not in ("WANDB_API_KEY", "WANDB_MODE")}
+    env = {**offline_env(), "MASTER_PORT": str(free_port())}
     run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "loggers" / "wandb.yaml"),
             *TINY, "--data.root", str(digits_root), "--trainer.devices", "2", "--trainer.strategy", "ddp",
             "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",

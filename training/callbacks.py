@@ -13,12 +13,15 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
+
+WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run that a resumed fit continues
 
 
 class RunConfig(SaveConfigCallback):
     """Writes the resolved config to `<run dir>/config.yaml` (rank 0), so the run can be re-run from its folder,
     and logs it to every logger as hyperparameters, with the git commit (and dirty flag) and the images per class;
-    secrets (URL passwords, API keys) are masked in both."""
+    secrets (URL passwords, API keys) are masked in both. A fit also records its W&B run id in the run directory."""
 
     def __init__(self, parser, config, **kwargs) -> None:
         kwargs["save_to_log_dir"] = False  # the run directory, not the first logger's folder
@@ -41,6 +44,9 @@ class RunConfig(SaveConfigCallback):
         params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
+            if isinstance(logger, WandbLogger) and stage == "fit":
+                # log_hyperparams has started the W&B run; `imgcls fit --ckpt_path ...` passes this id back to it.
+                (run_dir / WANDB_RUN_ID_FILE).write_text(f"{logger.version}\n")
 
 
 def git_state() -> dict[str, str | bool]:

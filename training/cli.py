@@ -18,11 +18,12 @@ from jsonargparse import DefaultHelpFormatter
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from training.callbacks import PredictionWriter, RunConfig
+from training.callbacks import WANDB_RUN_ID_FILE, PredictionWriter, RunConfig
 from training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointWriteError,
@@ -90,9 +91,8 @@ class ImgclsCLI(LightningCLI):
             init = getattr(logger, "init_args", None)
             if init is not None and "save_dir" in init and init.save_dir in ("", None):
                 init.save_dir = str(run_dir)
-            if init is not None and logger.class_path.endswith("WandbLogger") and os.environ.get("WANDB_API_KEY") \
-                    and "WANDB_MODE" not in os.environ:
-                init.offline = False  # a key in the environment means: log online (WANDB_MODE=offline overrides)
+            if init is not None and logger.class_path.endswith("WandbLogger") and _wandb_online():
+                init.offline = False
         for callback in _checkpoint_callbacks(config):
             if callback.init_args.dirpath is None:
                 callback.init_args.dirpath = str(run_dir / "checkpoints")
@@ -112,6 +112,7 @@ class ImgclsCLI(LightningCLI):
                                     subclasses=self.subclass_mode_model)
         self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ImageFolderDataModule,
                                     subclasses=self.subclass_mode_data)
+        self.parser.add_instantiator(_WandbInstantiator(self), WandbLogger)
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
@@ -147,8 +148,17 @@ class ImgclsCLI(LightningCLI):
 
 
 def _run_dir(config) -> Path:
-    """The run directory of a subcommand's config: trainer.default_root_dir."""
-    return Path(config.trainer.default_root_dir or "runs/default")
+    """The run directory of a subcommand's config: trainer.default_root_dir, with one sub-folder per W&B run under
+    `wandb agent`, which runs the sweep file's single command line for every trial (and sets these variables)."""
+    run_dir = Path(config.trainer.default_root_dir or "runs/default")
+    agent_run = os.environ.get("WANDB_RUN_ID") if os.environ.get("WANDB_SWEEP_ID") else None
+    return run_dir / agent_run if agent_run and run_dir.name != agent_run else run_dir
+
+
+def _wandb_online() -> bool:
+    """Whether WandbLogger goes online although its config says offline: with WANDB_API_KEY set, or under `wandb
+    agent` (WANDB_SWEEP_ID), whose login sits in ~/.netrc rather than in the environment. WANDB_MODE, when set, wins."""
+    return "WANDB_MODE" not in os.environ and bool(os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_SWEEP_ID"))
 
 
 def _checkpoint_callbacks(config) -> list:
@@ -166,6 +176,24 @@ class _ModelInstantiator(_InstantiatorFn):
             rank_zero_info(f"model.weights={kwargs['weights']} not loaded: the checkpoint supplies every weight")
             kwargs["weights"] = None
         return super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
+
+
+class _WandbInstantiator:
+    """A fit resumed from a checkpoint continues the W&B run of its run directory instead of starting a second one.
+    The id is read here rather than put in the config, so that config.yaml, rerun elsewhere (a sweep's best.yaml,
+    say), starts a W&B run of its own."""
+
+    def __init__(self, cli: ImgclsCLI) -> None:
+        self.cli = cli
+
+    def __call__(self, class_type, *args, **kwargs):
+        config = self.cli.config[self.cli.subcommand]
+        saved = _run_dir(config) / WANDB_RUN_ID_FILE
+        if self.cli.subcommand == "fit" and config.ckpt_path and kwargs.get("id") is None \
+                and kwargs.get("version") is None and saved.is_file():
+            # resume explicitly: jsonargparse passes every wandb.init argument, None included, over Lightning's "allow"
+            kwargs.update(id=saved.read_text().strip(), resume="allow")
+        return class_type(*args, **kwargs)
 
 
 class _DataInstantiator(_InstantiatorFn):
