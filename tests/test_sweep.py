@@ -13,12 +13,25 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from optuna.trial import TrialState
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli
-from training.sweep import SweepFileError, load_sweep, trial_args
+from tests.test_loggers import wandb_run_record
+from training.cli import cli_main
+from training.sweep import SweepFileError, load_sweep, make_pruner, make_sampler, print_table, trial_args
 from training.sweep import main as sweep_main
+
+
+SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
+
+
+def sweep_command(digits_root: Path, *overlays: Path) -> list[str]:
+    """A trial command of the quickstart shrunk to seconds, with config overlays (loggers) after it."""
+    return ["${env}", "${interpreter}", "-m", "training.cli", "fit", "--config", str(CONFIGS / "quickstart.yaml"),
+            *(arg for overlay in overlays for arg in ("--config", str(overlay))), *TINY, "--data.root", str(digits_root),
+            "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "${args}"]
 
 
 def write_sweep(path: Path, digits_root: Path, **overrides) -> Path:
@@ -31,9 +44,7 @@ def write_sweep(path: Path, digits_root: Path, **overrides) -> Path:
             "model.weight_decay": {"values": [0.0, 0.05]},
             "trainer.max_epochs": {"value": 1},
         },
-        "command": ["${env}", "${interpreter}", "-m", "training.cli", "fit",
-                    "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(digits_root),
-                    "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "${args}"],
+        "command": sweep_command(digits_root),
     }
     spec.update(overrides)
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -41,9 +52,59 @@ def write_sweep(path: Path, digits_root: Path, **overrides) -> Path:
 
 
 def test_shipped_sweep_file_is_valid():
-    sweep = load_sweep(CONFIGS / "sweeps" / "quickstart_lr.yaml")
+    sweep = load_sweep(SHIPPED)
     assert sweep.method == "bayes" and sweep.metric == "val/acc" and sweep.hyperband["type"] == "hyperband"
-    assert sweep.fixed_args == ["--config", "configs/quickstart.yaml"]
+    assert sweep.fixed_args == ["--config", "configs/quickstart.yaml", "--config", "configs/loggers/wandb.yaml",
+                                "--trainer.default_root_dir=runs/sweeps/quickstart_lr"]
+
+
+def test_shipped_sweep_command_is_a_fit_that_logs_to_wandb(monkeypatch, capsys):
+    """What `wandb agent` runs from the repository root, ${args} expanded: it parses, W&B logger included (the
+    controller reads val/acc from W&B), with the trial's values in place."""
+    sweep = load_sweep(SHIPPED)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["imgcls"])
+    params = {"model.lr": 0.003, "model.weight_decay": 0.01, "trainer.max_epochs": 4}
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["fit", *sweep.fixed_args, *trial_args(params), "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    loggers = [logger["class_path"] for logger in printed["trainer"]["logger"]]
+    assert loggers == ["lightning.pytorch.loggers.TensorBoardLogger", "lightning.pytorch.loggers.WandbLogger"]
+    assert (printed["model"]["lr"], printed["model"]["weight_decay"], printed["trainer"]["max_epochs"]) == (0.003, 0.01, 4)
+    assert printed["trainer"]["default_root_dir"] == "runs/sweeps/quickstart_lr"
+
+
+@pytest.mark.parametrize(("method", "sampler"), [("grid", optuna.samplers.GridSampler),
+                                                 ("random", optuna.samplers.RandomSampler),
+                                                 ("bayes", optuna.samplers.TPESampler)])
+def test_each_method_gets_its_optuna_sampler(tmp_path, method, sampler):
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path, method=method))
+    assert type(make_sampler(sweep, seed=0)) is sampler
+
+
+def test_hyperband_maps_to_optunas_pruner(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path,
+                                   early_terminate={"type": "hyperband", "min_iter": 2, "max_iter": 8, "eta": 2}))
+    pruner = make_pruner(sweep.hyperband)
+    assert isinstance(pruner, optuna.pruners.HyperbandPruner)
+    assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (2, 8, 2)
+    assert isinstance(make_pruner(None), optuna.pruners.NopPruner)
+
+
+@pytest.mark.parametrize(("goal", "order"), [("maximize", ["1", "3", "0", "2"]), ("minimize", ["0", "3", "1", "2"])])
+def test_result_table_is_sorted_by_the_metric(tmp_path, capsys, goal, order):
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path, metric={"name": "val/acc", "goal": goal}))
+    study = optuna.create_study(direction=goal)
+    space = {"model.lr": CategoricalDistribution([0.02, 0.2]), "model.weight_decay": CategoricalDistribution([0.0])}
+    for number, value in enumerate([0.5, 0.9, None, 0.7]):  # trial 2 failed: no value, listed last
+        study.add_trial(create_trial(params={"model.lr": 0.02, "model.weight_decay": 0.0}, distributions=space,
+                                     value=value, state=TrialState.FAIL if value is None else TrialState.COMPLETE,
+                                     user_attrs={"run_dir": f"trial_{number:04d}"}))
+    print_table(study, sweep)
+    out = capsys.readouterr().out
+    assert f"val/acc ({goal})" in out
+    assert [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")] == order
 
 
 def test_grid_expands_ranges_and_args_match_wandb_format(tmp_path):
@@ -155,3 +216,25 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
     run_cli("fit", "--config", str(out / "best.yaml"))
     assert _last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_root):
+    path = write_sweep(tmp_path / "random.yaml", digits_root, name="random2", method="random", run_cap=2,
+                       parameters={"model.lr": {"distribution": "log_uniform_values", "min": 0.005, "max": 0.05},
+                                   "trainer.max_epochs": {"value": 1}},
+                       early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3},
+                       command=sweep_command(digits_root, CONFIGS / "loggers" / "wandb.yaml"))
+    out = tmp_path / "sweep"
+    env = {k: v for k, v in cli_env(WANDB_SILENT="true").items() if not k.startswith("WANDB_") or k == "WANDB_SILENT"}
+    proc = subprocess.run([sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(out),
+                           "--workers", "2", "--seed", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trials = _trials(out / "sweep.db", "random2")
+    assert len(trials) == 2 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials), \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, second = trials
+    assert max(first.datetime_start, second.datetime_start) < min(first.datetime_complete, second.datetime_complete)
+    for t in trials:  # each trial's offline W&B run, in the sweep's group
+        assert wandb_run_record(Path(t.user_attrs["run_dir"]))["run_group"] == "random2"

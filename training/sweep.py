@@ -282,7 +282,9 @@ class TrialFailed(RuntimeError):
 
 
 def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
-    from optuna_integration import PyTorchLightningPruningCallback
+    # From its module, not the package: the package resolves names lazily, and two --workers threads doing that at
+    # once make one of them fail with an ImportError.
+    from optuna_integration.pytorch_lightning import PyTorchLightningPruningCallback
 
     params = suggest(trial, sweep)
     run_dir = out / f"trial_{trial.number:04d}"
@@ -318,7 +320,7 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
 def _trial_callback():
     """The callback a trial process adds to its Trainer (built from the JSON in $IMGCLS_SWEEP_TRIAL)."""
     import optuna
-    from optuna_integration import PyTorchLightningPruningCallback
+    from optuna_integration.pytorch_lightning import PyTorchLightningPruningCallback
 
     class SweepTrial(PyTorchLightningPruningCallback):
         """Reports each validation epoch's metric to the study (pruning decided by the study's pruner), and the
