@@ -45,6 +45,16 @@ def test_every_shipped_config_parses(config):
     assert printed["trainer"]["default_root_dir"]
 
 
+def test_production_config_prints_on_its_own():
+    printed = _print_config("--config", str(CONFIGS / "imagenet_ddp8.yaml"))
+    trainer, model = printed["trainer"], printed["model"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "16-mixed")
+    assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
+    assert (model["arch"], model["weights"], printed["data"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
+    monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    assert "val/acc" in monitored
+
+
 def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -74,8 +84,18 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
     logged = float(state["current_score"])  # val/acc logged at the end of the last epoch
 
     cli = cli_main(["validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(last), *QUIET])
-    assert float(cli.trainer.callback_metrics["val/acc"]) == pytest.approx(logged, abs=1e-6)
+    val = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    assert val["val/acc"] == pytest.approx(logged, abs=1e-6)
+    assert 0.0 <= val["val/f1_macro"] <= 1.0 and val["val/acc"] <= val["val/acc_top5"] <= 1.0  # 10 classes: top-5
     assert ckpt["hyper_parameters"]["class_names"] == [str(i) for i in range(10)]  # travels in the checkpoint
+
+    # The same checkpoint on the held-out test/ split (180 images).
+    cli = cli_main(["test", "--config", str(run / "config.yaml"), "--ckpt_path", str(last), *QUIET,
+                    "--trainer.limit_test_batches", "3"])
+    test = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    assert set(test) == {"test/acc", "test/acc_top5", "test/f1_macro", "test/loss"}
+    assert test["test/acc"] <= test["test/acc_top5"] <= 1.0 and 0.0 <= test["test/f1_macro"] <= 1.0
+    assert test["test/loss"] > 0.0
 
 
 def test_progress_bar_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
