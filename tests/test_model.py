@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 import torchvision
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from datamodules import ImageFolderDataModule
@@ -14,7 +15,7 @@ from tests.helpers import make_image_folder
 
 
 @pytest.mark.parametrize(("arch", "features"), [("resnet18", 512), ("resnet50", 2048)])
-def test_head_follows_the_seed(arch, features):
+def test_head_is_pool_hidden_layer_classes(arch, features):
     net = build_resnet(arch, head_hidden=1024, num_classes=7)
     linears = [m for m in net.fc.modules() if isinstance(m, nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(features, 1024), (1024, 7)]
@@ -112,14 +113,16 @@ def test_lr_scales_with_the_global_batch(scaling, expected):
     assert model.lr_scale() == pytest.approx(expected)  # global batch 1 x 64 x 2 = 128 images
 
 
-def _fit(root, **model_kwargs) -> tuple[ImageClassifier, dict[str, torch.Tensor]]:
+def _fit(root, epochs: int = 1, callbacks=(), **model_kwargs) -> tuple[ImageClassifier, dict[str, torch.Tensor]]:
+    """Train 3 steps (of 4 images) per epoch."""
     L.seed_everything(0)
     dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, preset="none", image_size=32)
     model = ImageClassifier(num_classes=dm.num_classes, arch="resnet18", head_hidden=16, optimizer="sgd",
-                            lr=1.0, warmup_epochs=0, **model_kwargs)
+                            **{"lr": 1.0, "warmup_epochs": 0, **model_kwargs})
     before = {k: v.clone() for k, v in model.net.state_dict().items()}
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=3, limit_val_batches=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=3, limit_val_batches=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=list(callbacks))
     trainer.fit(model, dm)
     return model, before
 
@@ -134,6 +137,32 @@ def test_frozen_backbone_stays_fixed_while_the_head_learns(tmp_path):
 
     model, before = _fit(tmp_path, freeze_backbone_epochs=0)
     assert not torch.equal(before["conv1.weight"], model.net.state_dict()["conv1.weight"])
+
+
+class HeadLrFactors(Callback):
+    """The head's learning rate as a fraction of its peak, before each step and after the last one."""
+
+    def __init__(self) -> None:
+        self.factors: list[float] = []
+
+    def _record(self, trainer) -> None:
+        group = next(g for g in trainer.optimizers[0].param_groups if g["is_head"])
+        self.factors.append(group["lr"] / group["initial_lr"])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._record(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._record(trainer)
+
+
+def test_lr_warms_up_linearly_then_decays_to_zero_on_a_cosine(tmp_path):
+    make_image_folder(tmp_path, {"a": 6, "b": 6}, size=32)
+    lr = HeadLrFactors()
+    _fit(tmp_path, epochs=2, callbacks=[lr], warmup_epochs=1)
+    # 6 steps, 3 of warm-up: (step + 1) / 3 up to the peak at the end of warm-up, then 0.5 * (1 + cos(pi * t)) with
+    # t = (step - 3) / 3, reaching 0 after the last step.
+    assert lr.factors == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 0.75, 0.25, 0.0])
 
 
 def test_predict_returns_a_result_for_every_image(tmp_path):
