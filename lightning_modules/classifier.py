@@ -1,4 +1,4 @@
-"""The LightningModule: fine-tunes a torchvision ResNet with the seed's head, and reports torchmetrics per split."""
+"""The LightningModule: fine-tunes a torchvision ResNet with a two-layer head, and reports torchmetrics per split."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class ImageClassifier(L.LightningModule):
         class_names: names of the classes, index order; linked from the DataModule and saved in checkpoints.
         arch: torchvision ResNet, resnet18/34/50/101/152 (or wide_resnet50_2/101_2).
         weights: torchvision weights name (IMAGENET1K_V2, DEFAULT), a state-dict or checkpoint file, or null.
-        head_hidden: width of the hidden head layer (the seed's 1024); 0 gives a single linear layer.
+        head_hidden: width of the hidden head layer (1024 in the Keras/Horovod recipe this template reproduces:
+            global average pool -> 1024 -> classes); 0 gives a single linear layer.
         dropout: dropout before the last layer of the head.
         optimizer: ``sgd`` (momentum, nesterov) or ``adamw``.
         lr: learning rate per 256 images; scaled by the global batch (world size x batch x accumulation).
