@@ -21,7 +21,6 @@ from lightning_modules import ImageClassifier
 from tests.helpers import CONFIGS, TINY, cli_env, free_port, run_cli
 from training.export import main as export_main
 
-
 FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--trainer.limit_train_batches", "4",
        "--trainer.limit_val_batches", "1"]
 

@@ -23,7 +23,6 @@ from training.cli import cli_main
 from training.sweep import SweepFileError, load_sweep, make_pruner, make_sampler, print_table, trial_args
 from training.sweep import main as sweep_main
 
-
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 
 

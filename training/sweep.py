@@ -211,7 +211,6 @@ def _sqlite_path(url: str) -> Path | None:
 def open_study(sweep: Sweep, url: str, seed: int | None):
     import optuna
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-
     from sqlalchemy.exc import SQLAlchemyError
 
     for attempt in range(5):
