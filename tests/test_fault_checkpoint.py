@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from lightning_modules.network import build_resnet
 from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
 from training.callbacks import redact_secrets
 from training.checkpointing import (
+    AsyncAtomicCheckpointIO,
     AtomicCheckpointIO,
     CheckpointWriteError,
     NonFiniteWeightsError,
@@ -56,6 +58,40 @@ def test_save_is_atomic_and_a_full_disk_keeps_the_previous_checkpoint(tmp_path, 
     monkeypatch.undo()
     assert io.load_checkpoint(path)["global_step"] == 1  # the old one, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary left behind
+
+
+def test_background_writer_snapshots_orders_removals_and_reports_errors(tmp_path, monkeypatch):
+    """AsyncAtomicCheckpointIO: what is saved is the state at the call, an older checkpoint is removed only after
+    its replacement is on disk, and a failed write is raised at the latest at teardown (the end of fit)."""
+    io = AsyncAtomicCheckpointIO()
+    old, new = tmp_path / "epoch0.ckpt", tmp_path / "epoch1.ckpt"
+    io.save_checkpoint(_ckpt(0.0), old)
+    io.teardown()  # waits for the pending write
+    events, slow_save = [], checkpointing.AtomicCheckpointIO.save_checkpoint
+
+    def save(self, checkpoint, path, storage_options=None):
+        time.sleep(0.3)  # a slow disk: the training thread goes on meanwhile
+        slow_save(self, checkpoint, path, storage_options)
+        events.append(("written", Path(path).name, old.exists()))
+
+    monkeypatch.setattr(checkpointing.AtomicCheckpointIO, "save_checkpoint", save)
+    state = _ckpt(1.0)
+    io.save_checkpoint(state, new)
+    state["state_dict"]["w"].fill_(7.0)  # the next training step changes the weights in place
+    io.remove_checkpoint(old)
+    assert old.exists() and not new.exists()  # the call returned before the write
+    io.teardown()
+    assert events == [("written", "epoch1.ckpt", True)] and not old.exists()
+    assert io.load_checkpoint(new)["state_dict"]["w"].tolist() == [1.0] * 4
+
+    def full_disk(self, checkpoint, path, storage_options=None):
+        raise CheckpointWriteError(errno.ENOSPC, f"no space left to write checkpoint {path}")
+
+    monkeypatch.setattr(checkpointing.AtomicCheckpointIO, "save_checkpoint", full_disk)
+    with pytest.raises(CheckpointWriteError, match="epoch2.ckpt"):  # from the call itself if the write was quick
+        io.save_checkpoint(_ckpt(2.0), tmp_path / "epoch2.ckpt")
+        io.teardown()
+    assert io.load_checkpoint(new)["global_step"] == 1.0  # the checkpoints written before are intact
 
 
 def test_nan_weights_are_never_written(tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 
@@ -67,6 +68,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         return safe_load(path, map_location=map_location)
+
+
+class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
+    """AtomicCheckpointIO on a background thread (Lightning's AsyncCheckpointIO): training does not wait for the disk.
+
+    Lightning snapshots the checkpoint's tensors on the training thread before it queues the write, so later steps
+    cannot change what is saved. Removals are queued behind the writes too, so ModelCheckpoint never deletes an older
+    checkpoint before the one that replaces it is on disk. Pending writes are finished when the Trainer tears down
+    (the end of fit, an exception, a preemption exit); an error in one is raised at the next save or at teardown.
+    Name `training.checkpointing.AtomicCheckpointIO` in `trainer.plugins` to write synchronously instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(AtomicCheckpointIO())
+
+    def remove_checkpoint(self, path) -> None:
+        self._ensure_setup()
+
+        def remove() -> None:
+            try:
+                self.checkpoint_io.remove_checkpoint(path)
+            except BaseException as err:  # reported like a failed write
+                self._error = err
+
+        self._executor.submit(remove)
 
 
 def safe_load(path, map_location: Any | None = "cpu") -> Any:
