@@ -116,7 +116,7 @@ class ImgclsCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
-        # CheckpointIO.
+        # CheckpointIO (e.g. training.checkpointing.AsyncAtomicCheckpointIO: the same, written in the background).
         plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
