@@ -6,6 +6,7 @@ import csv
 import os
 import re
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -97,6 +98,26 @@ def redact_secrets(text: str) -> str:
         if _SECRET_ENV.search(name) and len(value) >= 6:
             text = text.replace(value, f"<{name}>")
     return text
+
+
+class SecretSafeWandbLogger(WandbLogger):
+    """WandbLogger whose run records the command line with secrets masked.
+
+    wandb stores sys.argv in the run's metadata (and `wandb sync` uploads it), out of reach of the masking of
+    config.yaml and of the logged config; a password typed as a command-line value would land there. sys.argv is
+    masked only while the run starts: Lightning's launcher still needs the real one to start the other ranks.
+    """
+
+    @property
+    def experiment(self):
+        if self._experiment is not None:
+            return super().experiment
+        saved = sys.argv[:]
+        sys.argv[1:] = [redact_secrets(arg) for arg in saved[1:]]
+        try:
+            return super().experiment
+        finally:
+            sys.argv[:] = saved
 
 
 class PredictionWriter(BasePredictionWriter):

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from training.callbacks import WANDB_RUN_ID_FILE, PredictionWriter, RunConfig
+from training.callbacks import WANDB_RUN_ID_FILE, PredictionWriter, RunConfig, SecretSafeWandbLogger
 from training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointWriteError,
@@ -179,7 +179,8 @@ class _ModelInstantiator(_InstantiatorFn):
 
 
 class _WandbInstantiator:
-    """A fit resumed from a checkpoint continues the W&B run of its run directory instead of starting a second one.
+    """Builds every WandbLogger as a SecretSafeWandbLogger; a fit resumed from a checkpoint continues the W&B run of
+    its run directory instead of starting a second one.
     The id is read here rather than put in the config, so that config.yaml, rerun elsewhere (a sweep's best.yaml,
     say), starts a W&B run of its own."""
 
@@ -187,6 +188,8 @@ class _WandbInstantiator:
         self.cli = cli
 
     def __call__(self, class_type, *args, **kwargs):
+        if class_type is WandbLogger:  # the same logger, with the command line it records masked
+            class_type = SecretSafeWandbLogger
         config = self.cli.config[self.cli.subcommand]
         saved = _run_dir(config) / WANDB_RUN_ID_FILE
         if self.cli.subcommand == "fit" and config.ckpt_path and kwargs.get("id") is None \
