@@ -82,6 +82,7 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
     ckpt = torch.load(last, weights_only=True, map_location="cpu")
     state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))
     logged = float(state["current_score"])  # val/acc logged at the end of the last epoch
+    fit_config = (run / "config.yaml").read_text()
 
     cli = cli_main(["validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(last), *QUIET])
     val = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
@@ -96,6 +97,9 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
     assert set(test) == {"test/acc", "test/acc_top5", "test/f1_macro", "test/loss"}
     assert test["test/acc"] <= test["test/acc_top5"] <= 1.0 and 0.0 <= test["test/f1_macro"] <= 1.0
     assert test["test/loss"] > 0.0
+    # Evaluating from the run's config.yaml leaves it as fit wrote it; each command records its own beside it.
+    assert (run / "config.yaml").read_text() == fit_config
+    assert "ckpt_path" in (run / "validate_config.yaml").read_text() and (run / "test_config.yaml").is_file()
 
 
 def test_progress_bar_can_be_switched_off_from_the_command_line(digits_root, tmp_path):

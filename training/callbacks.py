@@ -20,7 +20,8 @@ WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run that a r
 
 
 class RunConfig(SaveConfigCallback):
-    """Writes the resolved config to `<run dir>/config.yaml` (rank 0), so the run can be re-run from its folder,
+    """Writes the resolved config to `<run dir>/config.yaml` (rank 0; `validate_config.yaml` etc. for the other
+    commands), so the run can be re-run from its folder,
     and logs it to every logger as hyperparameters, with the git commit (and dirty flag) and the images per class;
     secrets (URL passwords, API keys) are masked in both. A fit also records its W&B run id in the run directory."""
 
@@ -41,7 +42,10 @@ class RunConfig(SaveConfigCallback):
         run_dir = Path(trainer.default_root_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         text = redact_secrets(self.parser.dump(self.config, skip_none=False))
-        (run_dir / self.config_filename).write_text(text)
+        # validate/test/predict, run from <run>/config.yaml, must not overwrite the config that trained the run.
+        stage = getattr(stage, "value", stage)  # a TrainerFn: "fit", "validate", "test", "predict"
+        name = self.config_filename if stage == "fit" else f"{stage}_{self.config_filename}"
+        (run_dir / name).write_text(text)
         params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
