@@ -20,15 +20,19 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 class Probe(Callback):
     """Writes `<out_dir>/rank<R>.pt` at the end of fit; with `fail_rank`, that rank raises at `fail_step`, once
-    (a marker file remembers), to test failure propagation and elastic restarts."""
+    (a marker file remembers), to test failure propagation and elastic restarts; with `digest_every_step`, the
+    weights' digest after each optimizer step (and any model averaging) goes into `step_digests`; with
+    `record_tensors`, the initial state dict and the first step's gradients too (two model copies per rank)."""
 
     def __init__(self, out_dir: str, perturb_nonzero_ranks: bool = False, fail_rank: int | None = None,
-                 fail_step: int = 0) -> None:
+                 fail_step: int = 0, digest_every_step: bool = False, record_tensors: bool = False) -> None:
         self.out = Path(out_dir)
         self.perturb = perturb_nonzero_ranks
+        self.record_tensors = record_tensors
         self.fail_rank = fail_rank
         self.fail_step = fail_step
-        self.record: dict = {"val": []}
+        self.digest_every_step = digest_every_step
+        self.record: dict = {"val": [], "step_digests": []}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -55,8 +59,19 @@ class Probe(Callback):
             rank=trainer.global_rank, world_size=trainer.world_size, comm_hook=logging.get("comm_hook"),
             lrs=[g["lr"] for g in trainer.optimizers[0].param_groups],
             start_digest=weights_digest(pl_module), start_step=trainer.global_step,
-            initial_state={k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+            precision=trainer.precision_plugin.precision,
         )
+        if self.record_tensors:
+            self.record["initial_state"] = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        self._forward_hook = pl_module.register_forward_hook(self._record_autocast)
+
+    def _record_autocast(self, module, args, logits: torch.Tensor) -> None:
+        # What the first training forward really ran under, whatever the config asked for.
+        device = logits.device.type
+        enabled = torch.is_autocast_enabled(device)
+        self.record["autocast"] = str(torch.get_autocast_dtype(device)) if enabled else None
+        self.record["logits_dtype"] = str(logits.dtype)
+        self._forward_hook.remove()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if "batch" not in self.record:
@@ -70,8 +85,12 @@ class Probe(Callback):
                 marker.touch()
                 raise RuntimeError(f"probe: injected failure on rank {trainer.global_rank}")
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.digest_every_step:
+            self.record["step_digests"].append(weights_digest(pl_module))
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if "grads" not in self.record:  # after backward, so after DDP's all-reduce
+        if self.record_tensors and "grads" not in self.record:  # after backward, so after DDP's all-reduce
             self.record["grads"] = {n: p.grad.detach().cpu().clone() for n, p in pl_module.named_parameters()
                                     if p.grad is not None}
 

@@ -1,5 +1,5 @@
-"""Multi-process runs of the real `imgcls fit` on gloo: 2-process DDP correctness, the 8-device production config,
-two torchrun "nodes" with an elastic restart, a failing rank, and FSDP."""
+"""Multi-process runs on gloo: 2-process DDP correctness, post-local SGD, the 8-device production config, two
+torchrun "nodes" with an elastic restart, and a failing rank."""
 
 from __future__ import annotations
 
@@ -11,17 +11,26 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+import torchvision
 import yaml
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.models import ResNet50_Weights
 
 from lightning_modules import ImageClassifier
+from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
+from training.strategy import CompressedDDPStrategy
 
 pytestmark = pytest.mark.slow
 
 PROBE = "tests.distributed_probe.Probe"
+BF16_FALLBACK_WARNING = ("You passed `Trainer(accelerator='cpu', precision='16-mixed')` but AMP with fp16 is not "
+                         "supported on CPU. Using `precision='bf16-mixed'` instead.")
 
 
 def _probe_args(out: Path, **init_args) -> list[str]:
@@ -36,19 +45,6 @@ def _strategy_args(**init_args) -> list[str]:
 
 def _records(out: Path, world: int) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-def _run(cmd: list[str], timeout: float, env=None) -> subprocess.CompletedProcess:
-    """Run a launcher in its own process group; on timeout kill the whole group (no stray ranks)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:6])} ... timed out after {timeout}s\n{out[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +64,7 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.num_sanity_val_steps", "0",
         "--model.freeze_backbone_epochs", "1", "--model.dropout", "0", "--model.head_hidden", "0",
         "--trainer.default_root_dir", str(tmp_path / "run"),
-        *_strategy_args(compression="none"), *_probe_args(out, perturb_nonzero_ranks="true"),
+        *_strategy_args(compression="none"), *_probe_args(out, perturb_nonzero_ranks="true", record_tensors="true"),
         env=cli_env(MASTER_PORT=str(free_port())), timeout=300,
     )
     r0, r1 = _records(out, 2)
@@ -132,30 +128,99 @@ def test_powersgd_every_rank_hooked_and_state_in_checkpoint(tmp_path, folder):
     assert records[0]["end_digest"] == records[1]["end_digest"]
 
 
+class _TwoClassLinear(L.LightningModule):
+    """8 features -> 2 logits: post-local SGD's bookkeeping needs no more than a model with parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+LOCAL_SGD_START, LOCAL_SGD_PERIOD, LOCAL_SGD_STEPS = 2, 3, 8
+
+
+def _post_local_sgd_rank(local_rank: int, port: int, out: str) -> None:
+    """One of two ranks started by torch.multiprocessing: Lightning reads LOCAL_RANK as an external launch."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(local_rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    x = torch.randn(16 * LOCAL_SGD_STEPS, 8)  # (N, 8): 8 batches of 8 per rank once the sampler halves it
+    data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8, shuffle=True)
+    strategy = CompressedDDPStrategy(post_local_sgd_period=LOCAL_SGD_PERIOD, post_local_sgd_start_iter=LOCAL_SGD_START,
+                                     post_local_sgd_group_size=1, timeout_s=60)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=LOCAL_SGD_STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Probe(out, digest_every_step=True)])
+    trainer.fit(_TwoClassLinear(), data)
+
+
+def test_post_local_sgd_ranks_drift_apart_between_averagings_and_agree_after_each(tmp_path):
+    out = tmp_path / "probe"
+    ranks = mp.start_processes(_post_local_sgd_rank, args=(free_port(), str(out)), nprocs=2, join=False,
+                               start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not ranks.join(timeout=2):  # a rank's exception is raised here, with its traceback
+            assert time.monotonic() < deadline, "the 2 post-local SGD ranks did not finish within 120 s"
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+    r0, r1 = _records(out, 2)
+    assert r0["comm_hook"] == r1["comm_hook"] == "post_localSGD_hook"
+    same = [a == b for a, b in zip(r0["step_digests"], r1["step_digests"], strict=True)]
+    # Before the start iteration gradients are all-reduced globally: the ranks step alike. From it on each rank
+    # (a group of 1) steps on its own shard's gradients, and the periodic averager equalises the models at steps
+    # start, start + k, start + 2k, ... (0-based, after the optimizer step).
+    assert same == [i < LOCAL_SGD_START or (i - LOCAL_SGD_START) % LOCAL_SGD_PERIOD == 0
+                    for i in range(LOCAL_SGD_STEPS)]
+
+
 def test_production_config_runs_on_eight_cpu_processes(tmp_path):
     root = make_image_folder(tmp_path / "images", {"a": 16, "b": 16}, splits=("train",), size=32)
     make_image_folder(root, {"a": 8, "b": 8}, splits=("val",), size=32, seed=1)
+    # The config's IMAGENET1K_V2 weights, offline: a stand-in file where torchvision looks before downloading.
+    hub = tmp_path / "torch" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    torch.save(torchvision.models.resnet50().state_dict(), hub / Path(ResNet50_Weights.IMAGENET1K_V2.url).name)
     out = tmp_path / "probe"
     proc = run_cli(
         "fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--trainer.accelerator", "cpu",
-        # torch.compile stays off: 8 inductor compilations cost minutes on 2 cores, and the compiled path of this
-        # config is run once, in one process, by tests/test_cli.py::test_production_config_runs_one_batch_on_cpu.
-        "--data.root", str(root), "--model.weights", "null", "--model.compile", "false",
-        "--model.arch", "resnet18", "--model.head_hidden", "16",
-        "--data.image_size", "32", "--data.batch_size", "2", "--data.num_workers", "0",
+        "--data.root", str(root), "--trainer.default_root_dir", str(tmp_path / "run"),
+        # 8 inductor compilations cost ~200 s on 2 cores; the compiled path of this config is run once, in one
+        # process, by tests/test_cli.py::test_production_config_runs_one_batch_on_cpu.
+        "--model.compile", "false",
+        # The config's 64 images of 224 px per rank: 512 ResNet50 passes per step on 2 cores and GBs of activations
+        # per process. With 2 the 8 processes and their loader workers peak at ~9 GB (PSS) in all.
+        "--data.batch_size", "2",
+        # A few steps: two per rank, then one validation batch.
         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.num_sanity_val_steps", "0", "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(tmp_path / "run"), *_probe_args(out),
-        env=cli_env(MASTER_PORT=str(free_port())), timeout=420,
+        *_probe_args(out),
+        env=cli_env(MASTER_PORT=str(free_port()), TORCH_HOME=str(tmp_path / "torch")), timeout=540,
     )
-    assert "bf16-mixed" in proc.stdout + proc.stderr  # Lightning's fallback warning for 16-mixed on CPU
     records = _records(out, 8)
+    # 16-mixed is fp16 AMP, which Lightning does not run on CPU: it warns once (rank 0) and every rank trains
+    # under bf16 autocast instead.
+    assert (proc.stdout + proc.stderr).count(BF16_FALLBACK_WARNING) == 1
+    assert {(r["precision"], r["autocast"], r["logits_dtype"]) for r in records} == {
+        ("bf16-mixed", "torch.bfloat16", "torch.bfloat16")}
     assert sorted(r["rank"] for r in records) == list(range(8))
     assert {r["world_size"] for r in records} == {8}
     assert {r["comm_hook"] for r in records} == {"fp16_compress_hook"}
     shards = [set(r["sampler_indices"]) for r in records]
     assert sum(len(s) for s in shards) == 32 and len(set().union(*shards)) == 32  # disjoint, covering
     assert len({r["end_digest"] for r in records}) == 1
+    assert records[0]["end_digest"] != records[0]["start_digest"]  # the step changed the weights
     writes = [json.loads(line) for line in (out / "checkpoint_writes.jsonl").read_text().splitlines()]
     assert writes and {w["rank"] for w in writes} == {0}
     assert len({w["path"] for w in writes}) == len(writes)  # each file written once
