@@ -132,7 +132,9 @@ class ImgclsCLI(LightningCLI):
         ckpt = trainer.checkpoint_callback
         if trainer.interrupted or not isinstance(ckpt, ModelCheckpoint):
             return
-        if ckpt.best_model_path and Path(ckpt.best_model_path).is_file():
+        # Rank 0 wrote the file (maybe on a background thread, maybe on a disk other nodes do not see): its answer
+        # decides for every rank, or the ranks would split between validating and exiting.
+        if trainer.strategy.broadcast(bool(ckpt.best_model_path) and Path(ckpt.best_model_path).is_file()):
             trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=ckpt.best_model_path, verbose=True)
         run_dir = Path(trainer.default_root_dir)
         lines = [
