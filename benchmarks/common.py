@@ -73,6 +73,10 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def verdict(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
 def section(title: str, body: str, settings: str) -> str:
     return f"## {title}\n\n{body}\n\n_{settings}. Machine: {machine()}._\n"
 

@@ -27,6 +27,7 @@ from benchmarks.common import (
     section,
     standalone,
     table,
+    verdict,
 )
 from benchmarks.compute_levers import train_step
 from datamodules import ClassificationPresetTrain, ImageFolderDataModule
@@ -148,6 +149,9 @@ def main(quick: bool = False) -> str:
             for name, t in t1.items()]
     body = table(["loader", "img/s, 1 core", "vs baseline (target >= 2x)", f"img/s, {workers} workers",
                   f"vs baseline, {workers} workers"], rows)
+    default, fast = t1[BASELINE] / t1[DATAMODULE], t1[BASELINE] / t1[FAST_DECODE]
+    body += (f"\n\nTarget, at least 2x the baseline per core: {default:.2f}x with the defaults "
+             f"({verdict(default >= 2)}), {fast:.2f}x with `data.fast_decode` ({verdict(fast >= 2)}).")
 
     # How many loader cores feed the training step: step images/s / loader images/s per core.
     arch, step_size, step_batch = ("resnet18", 64, 4) if quick else ("resnet50", 224, 8)

@@ -35,8 +35,9 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     pipeline = tables["Input pipeline"]
     assert pipeline[0][:3] == ["loader", "img/s, 1 core", "vs baseline (target >= 2x)"]
     names = [r[0] for r in pipeline[1:]]
-    assert names[0].endswith("(baseline)") and len(names) == 7
-    assert any("augment_on_device" in n for n in names)
+    assert names[0].endswith("(baseline)") and len(names) == 8
+    assert any("augment_on_device" in n for n in names) and any("fast_decode" in n for n in names)
+    assert re.search(r"Target, at least 2x the baseline per core: [\d.]+x with the defaults", text)
     assert _num(pipeline[1][2]) == 1.0 and all(_num(r[1]) > 0 for r in pipeline[1:])
     assert "loader worker" in text
 
