@@ -22,7 +22,8 @@ STEPS_PER_EPOCH = 4  # 32 train images / batch 8
 # is kept, last.ckpt and the best one are written at the end of each validation.
 KILL_POINTS = [
     (3, "train", "step0000002.ckpt"),  # mid-epoch 0
-    (4, "val", "step0000004.ckpt"),  # during epoch 0's validation, after its last training batch
+    # during epoch 0's validation: step 4 is not checkpointed (a resume from it would skip that validation)
+    (4, "val", "step0000002.ckpt"),
     (5, "train", "last.ckpt"),  # first step of epoch 1: last.ckpt of epoch 0's validation
 ]
 LINE_MARGIN_S, EXIT_MARGIN_S = 3, 15  # seconds past the timeout for a hung peer: see the test
@@ -107,7 +108,7 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
             resumed = _fit(config, run)
             assert f"checkpoint {last} is unusable: truncated" in resumed.stdout + resumed.stderr
             resumed_from, how = _resumed_from(resumed)
-            # epoch 0's best, written with last.ckpt at the end of its validation (after step0000004.ckpt)
+            # epoch 0's best, written with last.ckpt at the end of its validation
             assert resumed_from.parent == checkpoints and resumed_from.name.startswith("epoch000-"), resumed_from
             assert how == "auto_resume"
         else:  # the same command again: auto_resume

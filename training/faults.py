@@ -65,6 +65,18 @@ class ExactResume(Callback):
         step_seed = (self._base * 1_000_003 + trainer.global_step) * 1_009 + trainer.global_rank
         torch.manual_seed(step_seed % (2**63))
 
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        # A run resumed from a checkpoint taken at the end of a batch that a validation follows skips that validation
+        # (Lightning fast-forwards its progress), so its metrics, best-k checkpoint and val/acc_best would differ from
+        # the uninterrupted run's. Step-interval checkpoints are not taken at such a batch: last.ckpt, written when
+        # that validation ends, holds the same training state. (Callbacks run before ModelCheckpoint, and it skips a
+        # step it believes saved; monitored ones already defer to the validation themselves.)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint) and callback.monitor is None:
+                    callback._last_global_step_saved = trainer.global_step
+
 
 class Preemption(Callback):
     """SIGTERM / SIGUSR1 (SLURM preemption, `scancel`, Kubernetes eviction): checkpoint at the next step end, exit.
