@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from lightning.pytorch.loggers import WandbLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
-from training.callbacks import WANDB_RUN_ID_FILE
+from training.callbacks import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
 from training.cli import ImgclsCLI, cli_main
 
 EPOCHS = 2
@@ -134,7 +135,8 @@ def test_wandb_goes_online_with_a_key_or_under_an_agent(monkeypatch, digits_root
     assert config.init_args.offline is (not online)  # what the logger was built with, and what config.yaml records
     run_dir = tmp_path / agent_run if agent_run else tmp_path  # the agent runs one command line for every trial
     assert Path(cli.trainer.default_root_dir) == run_dir
-    assert next(lg for lg in cli.trainer.loggers if type(lg).__name__ == "WandbLogger").save_dir == str(run_dir)
+    logger = next(lg for lg in cli.trainer.loggers if isinstance(lg, WandbLogger))
+    assert isinstance(logger, SecretSafeWandbLogger) and logger.save_dir == str(run_dir)
 
 
 @pytest.mark.slow

@@ -144,7 +144,8 @@ class ImgclsCLI(LightningCLI):
             f"resolved config {run_dir / 'config.yaml'}",
         ]
         for logger in trainer.loggers:
-            lines.append(f"{type(logger).__name__:<15} {logger.log_dir or logger.save_dir}")
+            name = next(c.__name__ for c in type(logger).__mro__ if c.__module__.startswith("lightning."))
+            lines.append(f"{name:<15} {logger.log_dir or logger.save_dir}")
         lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {run_dir.parent})")
         rank_zero_info("\n".join(lines))
 
