@@ -51,11 +51,12 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     assert _num(levers[1][2]) == 1.0
 
     tta = tables["Time to accuracy"]
-    assert [r[0] for r in tta[1:]] == ["plain PyTorch loop, tensors in memory",
-                                       "imgcls fit (PNG files, loader, Lightning)",
-                                       "imgcls fit without checkpoints, figures, progress bar",
+    assert [r[0] for r in tta[1:]] == ["plain PyTorch loop, tensors in memory (1 seed)",
+                                       "imgcls fit (PNG files, loader, Lightning) (1 seed)",
+                                       "imgcls fit without checkpoints, figures, progress bar (1 seed)",
                                        "imgcls / plain (target <= 1.2)"]
-    assert tta[0][1:3] == ["time to 97% val/acc", "time to 99% val/acc"]
+    assert tta[0][1:3] == ["time to 97% val/acc (median)", "time to 99% val/acc (median)"]
+    assert "Target, imgcls within 1.2x of the plain loop's time to 97%" in text
 
     gpu = text.split("## GPU throughput", 1)[1]
     assert ("Skipped: no CUDA device" in gpu) == (not torch.cuda.is_available())
