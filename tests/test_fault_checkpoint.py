@@ -6,6 +6,7 @@ import errno
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
@@ -18,6 +19,7 @@ from training.checkpointing import (
     AsyncAtomicCheckpointIO,
     AtomicCheckpointIO,
     CheckpointWriteError,
+    ModelCheckpoint,
     NonFiniteWeightsError,
     UnsafeCheckpointError,
     resolve_resume,
@@ -92,6 +94,51 @@ def test_background_writer_snapshots_orders_removals_and_reports_errors(tmp_path
         io.save_checkpoint(_ckpt(2.0), tmp_path / "epoch2.ckpt")
         io.teardown()
     assert io.load_checkpoint(new)["global_step"] == 1.0  # the checkpoints written before are intact
+
+
+class _ScriptedMetric(L.LightningModule):
+    """A tiny module whose val/acc per epoch is given: to steer which epochs improve the best-k."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores, self.layer = scores, torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/acc", self.scores[self.current_epoch])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("io", [AtomicCheckpointIO, AsyncAtomicCheckpointIO])
+def test_last_checkpoint_links_the_best_file_of_its_own_step_only(tmp_path, io):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+    seen = []
+
+    class Inspect(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):  # the previous epoch's files are all written by now
+            if trainer.current_epoch:
+                trainer.strategy.checkpoint_io.teardown()  # the background writer: wait for pending writes
+                last = tmp_path / "last.ckpt"
+                best = {torch.load(f, weights_only=True)["global_step"]: f.stat().st_ino
+                        for f in tmp_path.glob("epoch*.ckpt")}
+                step = torch.load(last, weights_only=True)["global_step"]
+                seen.append((step, last.stat().st_ino == best.get(step)))
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="epoch{epoch}", monitor="val/acc", mode="max",
+                                 save_top_k=1, save_last=True)
+    trainer = L.Trainer(max_epochs=4, callbacks=[checkpoint, Inspect()], plugins=[io()], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(_ScriptedMetric([0.5, 0.7, 0.6, 0.8]), loader, loader)
+    # Epochs 0 and 1 improve: last.ckpt is the best file of that step (one inode); epoch 2 does not improve, so
+    # last.ckpt is written in full, with epoch 2's state, not linked to the older best file.
+    assert seen == [(2, True), (4, True), (6, False)]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 8
 
 
 def test_nan_weights_are_never_written(tmp_path):

@@ -30,16 +30,16 @@ KILL_POINTS = [
 LINE_MARGIN_S, EXIT_MARGIN_S = 3, 15  # seconds past the timeout for a hung peer: see the test
 
 
-def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: bool = True) -> Path:
+def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: bool = False) -> Path:
     """The shipped quickstart config, shrunk: resnet18 at 32 px, 2 epochs of 4 steps, checkpoints every 2 steps.
 
-    `background_writes` false writes checkpoints synchronously: a kill right after a step then finds that step's
-    checkpoint on disk, which the tests that name the checkpoint each resume starts from rely on.
+    `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's
+    synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk.
     """
     cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
-    assert cfg["trainer"]["plugins"][0]["class_path"].endswith("AsyncAtomicCheckpointIO")  # shipped
-    if not background_writes:
-        cfg["trainer"]["plugins"] = [{"class_path": "training.checkpointing.AtomicCheckpointIO"}]
+    assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
+    if background_writes:
+        cfg["trainer"]["plugins"] = [{"class_path": "training.checkpointing.AsyncAtomicCheckpointIO"}]
     cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu", devices=devices,
                           enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     if devices > 1:
@@ -98,7 +98,7 @@ def data(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
-    config = _config(tmp_path, data, background_writes=False)
+    config = _config(tmp_path, data)
     _fit(config, tmp_path / "reference")
     reference = _weights(tmp_path / "reference")
     report = {}
@@ -112,7 +112,10 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
             assert _resumed_from(resumed) == (checkpoints / expected, "--ckpt_path last")
         elif step == 5:  # last.ckpt half-written (a crash of a non-atomic writer): falls back to the newest intact one
             last = checkpoints / expected
-            last.write_bytes(last.read_bytes()[:1000])
+            # A new, truncated file under the name (last.ckpt shares its data with the best-k file of its step)
+            truncated = last.read_bytes()[:1000]
+            last.unlink()
+            last.write_bytes(truncated)
             resumed = _fit(config, run)
             assert f"checkpoint {last} is unusable: truncated" in resumed.stdout + resumed.stderr
             resumed_from, how = _resumed_from(resumed)
@@ -122,13 +125,14 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
         else:  # the same command again: auto_resume
             assert _resumed_from(_fit(config, run)) == (checkpoints / expected, "auto_resume")
         report[(step, where)] = _max_diff(reference, _weights(run))
-    # The shipped background writer: a kill may come while the newest checkpoint is still being written, and the
-    # resume then starts from an older one (or from scratch), never from a partial file, and still ends the same.
+    # The production config's background writer: a kill may come while the newest checkpoint is still being
+    # written, and the resume then starts from an older one (or from scratch), never from a partial file, and still
+    # ends the same.
     run = tmp_path / "kill_train5_background_writes"
-    _kill(_config(tmp_path, data), run, 5, "train")
+    _kill(_config(tmp_path, data, background_writes=True), run, 5, "train")
     # A write cut short leaves at most its hidden temporary file: every file named *.ckpt is whole.
     assert all(checkpoint_problem(c) is None for c in (run / "checkpoints").glob("*.ckpt"))
-    _fit(_config(tmp_path, data), run)
+    _fit(_config(tmp_path, data, background_writes=True), run)
     report[(5, "train, background writes")] = _max_diff(reference, _weights(run))
     print("1 process, max |w - w_ref| per kill point:", report)
     assert all(diff <= 1e-6 for diff in report.values()), report
@@ -139,7 +143,7 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
 def test_sigkill_of_a_ddp_job_at_any_point_resumes_to_identical_weights(tmp_path, data):
     """2-process DDP (gloo): every rank is killed at the same point, as when a node is lost; the same command
     resumes on both ranks."""
-    config = _config(tmp_path, data, devices=2, background_writes=False)
+    config = _config(tmp_path, data, devices=2)
     _fit(config, tmp_path / "reference")
     reference = _weights(tmp_path / "reference")
     report = {}
@@ -179,7 +183,8 @@ def test_run_cli_timeout_kills_the_processes_the_command_started(tmp_path, monke
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_and_exits_nonzero_then_resumes(tmp_path, data, sig):
-    config = _config(tmp_path, data)
+    # SIGUSR1 (SLURM) with the production config's background writer: the exit must wait for preempted.ckpt.
+    config = _config(tmp_path, data, background_writes=sig == signal.SIGUSR1)
     run = tmp_path / "run"
     # The test sends the signal to itself mid-step (as SLURM or Kubernetes would send it from outside).
     proc = _fit(config, run, *_kill_args(3, "train_start"), f"--trainer.callbacks.sig={int(sig)}", check=False)
