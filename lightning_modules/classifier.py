@@ -223,8 +223,8 @@ class ImageClassifier(L.LightningModule):
         rank_zero_info(
             f"lr {hp.lr:g} per 256 images x {self.lr_scale():.4g} ({hp.lr_scaling} scaling, global batch "
             f"{self.trainer.world_size} x {hp.batch_size} x {self.trainer.accumulate_grad_batches}) = "
-            f"{groups[-1]['lr']:.4g} for the head; {total} steps, {warmup} of warm-up"
-        )
+            f"{hp.lr * self.lr_scale():.4g} for the head (peak); {total} steps, {warmup} of warm-up"
+        )  # not groups[..]["lr"]: LambdaLR has already multiplied that by the schedule's first value
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

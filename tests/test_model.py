@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from unittest import mock
+
 import lightning as L
 import pytest
 import torch
@@ -194,3 +197,12 @@ def test_predict_returns_a_result_for_every_image(tmp_path):
 def test_bad_model_arguments_name_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         ImageClassifier(num_classes=3, **{"arch": "resnet18", **kwargs})
+
+
+def test_the_printed_learning_rate_is_the_scaled_peak_not_the_first_warm_up_step(caplog):
+    model = ImageClassifier(num_classes=3, arch="resnet18", batch_size=64, lr=0.016, warmup_epochs=1)
+    model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=10, logger=False)
+    with mock.patch.object(type(model.trainer), "estimated_stepping_batches", 20), caplog.at_level(logging.INFO):
+        config = model.configure_optimizers()
+    assert config["optimizer"].param_groups[-1]["lr"] == pytest.approx(0.004 / 10)  # step 0 of 10 warm-up steps
+    assert "= 0.004 for the head (peak); 20 steps, 10 of warm-up" in caplog.text
