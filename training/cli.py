@@ -10,6 +10,7 @@ import importlib
 import os
 import pickle
 import sys
+import warnings
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
@@ -40,6 +41,11 @@ EXTRA_COMMANDS = {
     "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
     "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
 }
+
+# Deprecations raised inside the pinned libraries on every fit, which no config can act on: Lightning 2.6's pytree
+# helper under torch 2.14, and torchdata's StatefulDataLoader calling torch's deprecated set_vital.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 # Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
