@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -75,9 +76,18 @@ def _tiny_fit_args(root: Path, run: Path, epochs: int) -> list[str]:
             "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2", "--trainer.precision", "32-true"]
 
 
-def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_path):
+def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_path, monkeypatch, caplog):
     run = tmp_path / "run"
-    cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=2)])
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        fit = cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=2)])
+    # fit ends by saying where everything went, in paths relative to the working directory.
+    best = Path(fit.trainer.checkpoint_callback.best_model_path)
+    assert best.parent == run / "checkpoints" and best.is_file()
+    for line in ("run directory   run\n", f"best checkpoint run/checkpoints/{best.name} (val/acc 0.",
+                 "last checkpoint run/checkpoints/last.ckpt  (resume: add --ckpt_path last)",
+                 "resolved config run/config.yaml\n", "dashboard       make dashboard"):
+        assert line in caplog.text
     last = run / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True, map_location="cpu")
     state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))

@@ -144,16 +144,26 @@ class ImgclsCLI(LightningCLI):
             trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=ckpt.best_model_path, verbose=True)
         run_dir = Path(trainer.default_root_dir)
         lines = [
-            f"run directory   {run_dir}",
-            f"best checkpoint {ckpt.best_model_path or '-'} (val/acc {_fmt(ckpt.best_model_score)})",
-            f"last checkpoint {Path(ckpt.dirpath) / 'last.ckpt'}  (resume: add --ckpt_path last)",
-            f"resolved config {run_dir / 'config.yaml'}",
+            f"run directory   {_shown(run_dir)}",
+            f"best checkpoint {_shown(ckpt.best_model_path) or '-'} (val/acc {_fmt(ckpt.best_model_score)})",
+            f"last checkpoint {_shown(Path(ckpt.dirpath) / 'last.ckpt')}  (resume: add --ckpt_path last)",
+            f"resolved config {_shown(run_dir / 'config.yaml')}",
         ]
         for logger in trainer.loggers:
             name = next(c.__name__ for c in type(logger).__mro__ if c.__module__.startswith("lightning."))
-            lines.append(f"{name:<15} {logger.log_dir or logger.save_dir}")
-        lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {run_dir.parent})")
+            lines.append(f"{name:<15} {_shown(logger.log_dir or logger.save_dir)}")
+        lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {_shown(run_dir.parent) or '.'})")
         rank_zero_info("\n".join(lines))
+
+
+def _shown(path: str | os.PathLike) -> str:
+    """`path` relative to the working directory when it lies below it (short lines to copy), else as it is."""
+    if not path:
+        return ""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _run_dir(config) -> Path:
