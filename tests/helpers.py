@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -36,6 +37,33 @@ def cli_env(**extra: str) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by every process of a test
     env.update(extra)
     return env
+
+
+# W&B settings of the calling shell (a key, an agent's sweep and run ids) that would send a test's run online.
+WANDB_VARS = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_SWEEP_ID", "WANDB_RUN_ID")
+
+
+def wandb_offline_env(**extra: str) -> dict[str, str]:
+    """cli_env without the caller's W&B settings: configs/loggers/wandb.yaml then logs offline, quietly."""
+    return {k: v for k, v in cli_env(WANDB_SILENT="true", **extra).items() if k not in WANDB_VARS}
+
+
+def wandb_inspect(run_dir: Path, *args: str) -> str:
+    """`wandb leet inspect ARGS` of the run folder's one offline W&B run (wandb's own reader of what `wandb sync`
+    uploads)."""
+    wandb = Path(sys.executable).parent / "wandb"  # the CLI installed with the wandb package
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1, f"expected one offline wandb run, found {offline}"
+    proc = subprocess.run([str(wandb), "leet", "inspect", *args, str(offline[0])], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def wandb_run_record(run_dir: Path) -> dict:
+    """The `run` record of the folder's one offline wandb run: its id, group, whether it resumes."""
+    records = [json.loads(line) for line in wandb_inspect(run_dir, "--json").splitlines() if line.strip()]
+    return next(r["run"] for r in records if r.get("type") == "run")
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True,

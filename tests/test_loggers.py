@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,17 @@ import yaml
 from lightning.pytorch.loggers import WandbLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
+from tests.helpers import (
+    CONFIGS,
+    ROOT,
+    TINY,
+    WANDB_VARS,
+    free_port,
+    run_cli,
+    wandb_inspect,
+    wandb_offline_env,
+    wandb_run_record,
+)
 from training.callbacks import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
 from training.cli import ImgclsCLI, cli_main
 
@@ -23,13 +32,6 @@ EPOCHS = 2
 
 def git_head() -> str:
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-
-
-WANDB_VARS = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_SWEEP_ID", "WANDB_RUN_ID")
-
-
-def offline_env() -> dict[str, str]:
-    return {k: v for k, v in cli_env(WANDB_SILENT="true").items() if k not in WANDB_VARS}
 
 
 def fit_args(root: Path, run: Path) -> list[str]:
@@ -42,7 +44,7 @@ def fit_args(root: Path, run: Path) -> list[str]:
 def wandb_run(tmp_path_factory, digits_root) -> Path:
     """One tiny 2-epoch run with configs/loggers/wandb.yaml (TensorBoard + W&B offline), no network, no API key."""
     run = tmp_path_factory.mktemp("wandb_run")
-    run_cli(*fit_args(digits_root, run), env=offline_env())
+    run_cli(*fit_args(digits_root, run), env=wandb_offline_env())
     return run
 
 
@@ -70,19 +72,9 @@ def test_hyperparameters_hold_config_git_and_data_summary(wandb_run, digits_root
     assert yaml.safe_load(hparams["config"])["trainer"]["max_epochs"] == EPOCHS
 
 
-def _wandb_inspect(run_dir: Path, *args: str) -> str:
-    wandb = Path(sys.executable).parent / "wandb"  # the CLI installed with the wandb package
-    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(offline) == 1, f"expected one offline wandb run, found {offline}"
-    proc = subprocess.run([str(wandb), "leet", "inspect", *args, str(offline[0])], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 def test_wandb_offline_run_holds_metrics_config_and_images(wandb_run):
     # wandb's own reader of the .wandb transaction log (what `wandb sync` uploads).
-    records = [json.loads(line) for line in _wandb_inspect(wandb_run, "--json").splitlines() if line.strip()]
+    records = [json.loads(line) for line in wandb_inspect(wandb_run, "--json").splitlines() if line.strip()]
     history = [r["history"]["item"] for r in records if r.get("type") == "history"]
     val = [h for h in history if "val/acc" in h]
     assert len(val) == EPOCHS + 1 and {h["epoch"] for h in val[:EPOCHS]} == set(range(EPOCHS))
@@ -91,15 +83,9 @@ def test_wandb_offline_run_holds_metrics_config_and_images(wandb_run):
         assert len(logged) == EPOCHS + 1
         media = Path(next(wandb_run.glob("wandb/offline-run-*"))) / "files" / logged[-1][f"{tag}.filenames"][0]
         assert media.is_file()
-    summary = json.loads(_wandb_inspect(wandb_run, "--summary", "--json"))
+    summary = json.loads(wandb_inspect(wandb_run, "--summary", "--json"))
     assert summary["config"]["git"]["commit"] == git_head()
     assert sum(summary["config"]["data"]["val"].values()) > 0
-
-
-def wandb_run_record(run_dir: Path) -> dict:
-    """The `run` record of the folder's one offline wandb run: its id, group, whether it resumes."""
-    records = [json.loads(line) for line in _wandb_inspect(run_dir, "--json").splitlines() if line.strip()]
-    return next(r["run"] for r in records if r.get("type") == "run")
 
 
 def test_resumed_fit_continues_the_same_wandb_run(wandb_run, digits_root, tmp_path):
@@ -107,7 +93,7 @@ def test_resumed_fit_continues_the_same_wandb_run(wandb_run, digits_root, tmp_pa
     (tmp_path / "checkpoints").mkdir()
     shutil.copy(wandb_run / "checkpoints" / "last.ckpt", tmp_path / "checkpoints")
     shutil.copy(wandb_run / WANDB_RUN_ID_FILE, tmp_path)
-    run_cli(*fit_args(digits_root, tmp_path), "--ckpt_path", "last", env=offline_env())
+    run_cli(*fit_args(digits_root, tmp_path), "--ckpt_path", "last", env=wandb_offline_env())
     first, resumed = wandb_run_record(wandb_run), wandb_run_record(tmp_path)
     assert resumed["run_id"] == first["run_id"] == (wandb_run / WANDB_RUN_ID_FILE).read_text().strip()
     assert resumed.get("resume") is True and not first.get("resume")
@@ -141,7 +127,7 @@ def test_wandb_goes_online_with_a_key_or_under_an_agent(monkeypatch, digits_root
 
 @pytest.mark.slow
 def test_ddp_run_makes_one_wandb_run_and_a_confusion_matrix_of_every_rank(tmp_path, digits_root):
-    env = {**offline_env(), "MASTER_PORT": str(free_port())}
+    env = wandb_offline_env(MASTER_PORT=str(free_port()))
     run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "loggers" / "wandb.yaml"),
             *TINY, "--data.root", str(digits_root), "--trainer.devices", "2", "--trainer.strategy", "ddp",
             "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",

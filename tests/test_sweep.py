@@ -17,8 +17,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli
-from tests.test_loggers import wandb_run_record
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli, wandb_offline_env, wandb_run_record
 from training.cli import cli_main
 from training.sweep import SweepFileError, load_sweep, make_pruner, make_sampler, print_table, trial_args
 from training.sweep import main as sweep_main
@@ -225,7 +224,7 @@ def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_
                        early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3},
                        command=sweep_command(digits_root, CONFIGS / "loggers" / "wandb.yaml"))
     out = tmp_path / "sweep"
-    env = {k: v for k, v in cli_env(WANDB_SILENT="true").items() if not k.startswith("WANDB_") or k == "WANDB_SILENT"}
+    env = wandb_offline_env()
     proc = subprocess.run([sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(out),
                            "--workers", "2", "--seed", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
