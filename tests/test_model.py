@@ -201,7 +201,8 @@ def test_bad_model_arguments_name_the_key(kwargs, message):
 
 def test_the_printed_learning_rate_is_the_scaled_peak_not_the_first_warm_up_step(caplog):
     model = ImageClassifier(num_classes=3, arch="resnet18", batch_size=64, lr=0.016, warmup_epochs=1)
-    model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=10, logger=False)
+    model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False)
+    # 20 steps over 2 epochs: 10 per epoch, so warmup_epochs=1 is 10 warm-up steps.
     with mock.patch.object(type(model.trainer), "estimated_stepping_batches", 20), caplog.at_level(logging.INFO):
         config = model.configure_optimizers()
     assert config["optimizer"].param_groups[-1]["lr"] == pytest.approx(0.004 / 10)  # step 0 of 10 warm-up steps

@@ -152,7 +152,7 @@ class ImgclsCLI(LightningCLI):
         for logger in trainer.loggers:
             name = next(c.__name__ for c in type(logger).__mro__ if c.__module__.startswith("lightning."))
             lines.append(f"{name:<15} {_shown(logger.log_dir or logger.save_dir)}")
-        lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {_shown(run_dir.parent) or '.'})")
+        lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {_shown(run_dir.parent)})")
         rank_zero_info("\n".join(lines))
 
 
