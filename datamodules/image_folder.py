@@ -13,9 +13,11 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from datamodules import hardware
 from datamodules.images import (
     decode_images,
     find_classes,
@@ -98,12 +100,6 @@ def _collate_encoded(batch: list[tuple[torch.Tensor, int]]) -> tuple[list[torch.
     return list(images), torch.tensor(targets)
 
 
-def default_num_workers(devices_per_node: int = 1) -> int:
-    """Loader processes per device: the CPUs this process may use, shared by the devices, at most 8."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cpus // max(1, devices_per_node)))
-
-
 class ImageFolderDataModule(L.LightningDataModule):
     """Image-folder data with ImageFolder semantics (classes are the sorted sub-folder names).
 
@@ -111,7 +107,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         root: folder holding ``train/``, ``val/`` (optional: else ``val_split`` of train) and ``test/`` (optional).
             May be null for ``predict`` from a checkpoint, which carries the class names.
         batch_size: images per device and step; the global batch is world size x batch_size x accumulation.
-        num_workers: loader processes per device; null derives it from the CPU count.
+        num_workers: loader processes per device; null chooses from the hardware (datamodules/hardware.py): one
+            on a CPU-trained model, the node's CPUs shared by the GPUs (at most 8) on CUDA.
         val_split: fraction of ``train/`` held out, stratified and seeded, when there is no ``val/``.
         split_seed: seed of that split; the same split on every process and every run.
         preset: transform preset, one of ``imagenet``, ``keras``, ``none``.
@@ -285,10 +282,14 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, *, shuffle: bool, drop_last: bool = False, sampler=None) -> DataLoader:
         trainer = self.trainer
+        device = trainer.strategy.root_device.type if trainer is not None else "cpu"
+        on_cuda = device == "cuda"
         workers = self.num_workers
         if workers is None:
-            workers = default_num_workers(trainer.num_devices if trainer is not None else 1)
-        on_cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
+            workers, why = hardware.choose_num_workers(hardware.detect(), device,
+                                                       trainer.num_devices if trainer is not None else 1)
+            if shuffle:  # once per run, not once per loader
+                rank_zero_info(f"data.num_workers: {workers} per device ({why})")
         # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
         # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
         loader_cls = StatefulDataLoader if shuffle else DataLoader

@@ -13,7 +13,11 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
+from datamodules import hardware
 from lightning_modules.network import HEAD_PREFIX, build_resnet
+
+Auto = Literal["auto"]
+OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
 
 
 class ImageClassifier(L.LightningModule):
@@ -38,10 +42,12 @@ class ImageClassifier(L.LightningModule):
         backbone_lr_ratio: backbone lr / head lr, e.g. 0.1 to fine-tune the pretrained layers gently.
         freeze_backbone_epochs: keep the backbone frozen (no updates, BatchNorm statistics fixed) this many epochs.
         batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
-        channels_last: NHWC memory format, faster convolutions with autocast on recent GPUs and CPUs.
-        compile: ``torch.compile`` the network (in place: checkpoint keys are unchanged) when the Trainer sets it up.
-        optimizer_impl: ``default`` (torch picks: foreach on CUDA), ``foreach`` or ``fused`` (one kernel for all
-            parameters, the fastest on CUDA).
+        channels_last: NHWC memory format; ``auto`` turns it on where it was measured faster (CUDA, x86 CPUs with
+            AVX2), see datamodules/hardware.py.
+        compile: ``torch.compile`` the network (in place: checkpoint keys are unchanged) when the Trainer sets it up;
+            ``auto`` compiles on CUDA with Triton only.
+        optimizer_impl: ``default`` (torch's per-parameter loop), ``foreach`` or ``fused`` (one kernel for all
+            parameters); ``auto`` picks fused where it was measured faster (CUDA, x86 CPUs with AVX2).
     """
 
     def __init__(
@@ -63,20 +69,26 @@ class ImageClassifier(L.LightningModule):
         backbone_lr_ratio: float = 1.0,
         freeze_backbone_epochs: int = 0,
         batch_size: int = 64,
-        channels_last: bool = False,
-        compile: bool = False,
-        optimizer_impl: Literal["default", "foreach", "fused"] = "default",
+        channels_last: bool | Auto = "auto",
+        compile: bool | Auto = False,
+        optimizer_impl: OptimizerImpl = "auto",
     ) -> None:
         super().__init__()
         _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
                     label_smoothing, backbone_lr_ratio, freeze_backbone_epochs)
-        if optimizer_impl not in ("default", "foreach", "fused"):
-            raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose default, foreach or fused")
+        if optimizer_impl not in OptimizerImpl.__args__:
+            raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose {', '.join(OptimizerImpl.__args__)}")
+        for key, value in (("channels_last", channels_last), ("compile", compile)):
+            if value not in (True, False, "auto"):
+                raise ValueError(f"model.{key}={value!r} is unknown; choose true, false or auto")
         self.save_hyperparameters()
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
         self.net = build_resnet(arch, weights, head_hidden, dropout, num_classes)
-        if channels_last:
-            self.net = self.net.to(memory_format=torch.channels_last)
+        # The levers set to `auto` are chosen in configure_model, once the Trainer knows the device.
+        self.levers: dict[str, bool | str] = {}
+        self._channels_last = False
+        if channels_last is True:
+            self._set_channels_last()
 
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_metrics = _split_metrics(num_classes, "val")
@@ -88,14 +100,24 @@ class ImageClassifier(L.LightningModule):
         self.val_acc_best.persistent(True)  # kept in checkpoints, so a resumed run remembers its best
 
     def configure_model(self) -> None:
-        # Called by the Trainer once the module sits on its device; nn.Module.compile keeps the state-dict keys.
-        if self.hparams.compile and not getattr(self.net, "_compiled_call_impl", None):
-            self.net.compile()
+        # Called by the Trainer (each fit, validate, ...) once it knows the device.
+        device = self._trainer.strategy.root_device.type if self._trainer is not None else self.device.type
+        if not self.levers:
+            self.levers, reasons = resolve_levers(self.hparams, device)
+            rank_zero_info("model levers on " + device + ": " + "; ".join(reasons))
+        if self.levers["channels_last"] and not self._channels_last:
+            self._set_channels_last()
+        if self.levers["compile"] and not getattr(self.net, "_compiled_call_impl", None):
+            self.net.compile()  # in place: nn.Module.compile keeps the state-dict keys
+
+    def _set_channels_last(self) -> None:
+        self.net = self.net.to(memory_format=torch.channels_last)
+        self._channels_last = True
 
     # ---- forward and steps ----------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.hparams.channels_last:
+        if self._channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return self.net(x)  # (B, 3, H, W) -> (B, num_classes) logits
 
@@ -197,7 +219,8 @@ class ImageClassifier(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         groups = self.param_groups()
-        impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[hp.optimizer_impl]
+        chosen = self.levers.get("optimizer_impl") or resolve_levers(hp, self.device.type)[0]["optimizer_impl"]
+        impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[chosen]
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=hp.momentum, nesterov=hp.nesterov, **impl)
         else:
@@ -226,6 +249,20 @@ class ImageClassifier(L.LightningModule):
             f"{hp.lr * self.lr_scale():.4g} for the head (peak); {total} steps, {warmup} of warm-up"
         )  # not groups[..]["lr"]: LambdaLR has already multiplied that by the schedule's first value
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def resolve_levers(hparams, device: str) -> tuple[dict[str, bool | str], list[str]]:
+    """The model's speed levers for `device`: each `auto` chosen from the hardware; and one reason per lever."""
+    hw = hardware.detect()
+    rules = {"channels_last": hardware.choose_channels_last, "compile": hardware.choose_compile,
+             "optimizer_impl": hardware.choose_optimizer_impl}
+    levers, reasons = {}, []
+    for key, rule in rules.items():
+        value, why = rule(hw, device) if hparams[key] == "auto" else (hparams[key], "set in the config")
+        levers[key] = value
+        shown = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        reasons.append(f"{key} {shown} ({why})")
+    return levers, reasons
 
 
 def _split_metrics(num_classes: int, prefix: str) -> MetricCollection:

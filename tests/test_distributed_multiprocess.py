@@ -21,6 +21,7 @@ import yaml
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.models import ResNet50_Weights
 
+from datamodules import hardware
 from lightning_modules import ImageClassifier
 from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
@@ -29,8 +30,6 @@ from training.strategy import CompressedDDPStrategy
 pytestmark = pytest.mark.slow
 
 PROBE = "tests.distributed_probe.Probe"
-BF16_FALLBACK_WARNING = ("You passed `Trainer(accelerator='cpu', precision='16-mixed')` but AMP with fp16 is not "
-                         "supported on CPU. Using `precision='bf16-mixed'` instead.")
 
 
 def _probe_args(out: Path, **init_args) -> list[str]:
@@ -209,11 +208,12 @@ def test_production_config_runs_on_eight_cpu_processes(tmp_path):
         env=cli_env(MASTER_PORT=str(free_port()), TORCH_HOME=str(tmp_path / "torch")), timeout=540,
     )
     records = _records(out, 8)
-    # 16-mixed is fp16 AMP, which Lightning does not run on CPU: it warns once (rank 0) and every rank trains
-    # under bf16 autocast instead.
-    assert (proc.stdout + proc.stderr).count(BF16_FALLBACK_WARNING) == 1
-    assert {(r["precision"], r["autocast"], r["logits_dtype"]) for r in records} == {
-        ("bf16-mixed", "torch.bfloat16", "torch.bfloat16")}
+    # precision: auto is chosen from this CPU, announced once (rank 0), and every rank trains under it: bf16
+    # autocast on a CPU with native bf16, fp32 on any other.
+    expected, why = hardware.choose_precision(hardware.detect(), "cpu")
+    assert (proc.stdout + proc.stderr).count(f"precision: {expected} ({why})") == 1
+    autocast = {"bf16-mixed": ("torch.bfloat16", "torch.bfloat16"), "32-true": (None, "torch.float32")}[expected]
+    assert {(r["precision"], r["autocast"], r["logits_dtype"]) for r in records} == {(expected, *autocast)}
     assert sorted(r["rank"] for r in records) == list(range(8))
     assert {r["world_size"] for r in records} == {8}
     assert {r["comm_hook"] for r in records} == {"fp16_compress_hook"}

@@ -33,6 +33,7 @@ from training.checkpointing import (
     unsafe_message,
 )
 from training.faults import NonFiniteLossError, fault_callbacks, lost_peer_message
+from training.trainer import Trainer
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
@@ -250,6 +251,7 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
         ImageClassifier,
         ImageFolderDataModule,
         args=args,
+        trainer_class=Trainer,  # lightning.Trainer with `precision: auto`, chosen from the hardware
         save_config_callback=RunConfig,
         save_config_kwargs={"overwrite": True},
         # Appended to the configured callbacks, and kept out of config.yaml: the fault guards on every run, and the

@@ -1,0 +1,146 @@
+"""What this machine can do, read once, and the speed levers chosen from it: precision, channels_last, torch.compile,
+the optimizer implementation and the loader workers.
+
+A lever's gain depends on the hardware: bf16 autocast is ~2x faster than fp32 on a CPU with native bf16 and ~10x
+slower on one without, so nothing here is chosen by habit. Every rule returns ``(value, reason)`` and the reason is
+printed. It sits at the bottom of the import graph (data -> model -> training) because the loaders, the model and
+the Trainer all ask it. Tests stand in other machines with ``monkeypatch.setattr(hardware, "detect", lambda: ...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# /proc/cpuinfo flags that decide a lever; the hardware benchmark records the same ones.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# The quickstart's ResNet50 step under bf16 autocast vs fp32 on a 2-core AVX2-only AMD EPYC (no avx512_bf16, no AMX),
+# both channels_last: ~11x slower (benchmarks/hardware.py; tests/test_hardware.py checks this against its results).
+BF16_COST_WITHOUT_NATIVE = "~10x slower than fp32"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The capabilities the levers depend on."""
+
+    cpu_model: str
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)  # the subset of CPU_FLAGS this CPU has
+    cores: int = 1  # CPUs this process may run on
+    machine: str = "x86_64"  # platform.machine()
+    cuda: str | None = None  # name of CUDA device 0, None without one
+    triton: bool = False  # torch.compile's GPU code generator is importable
+
+    @property
+    def native_bf16(self) -> bool:
+        return any(f in self.cpu_flags for f in NATIVE_BF16_FLAGS)
+
+    def cpu_kind(self) -> str:
+        """`bf16 CPU`, `AVX2 CPU` or the architecture: the class of CPU that benchmark figures hold for."""
+        if self.native_bf16:
+            return "bf16 CPU"
+        return "AVX2 CPU" if "avx2" in self.cpu_flags else f"{self.machine} CPU"
+
+    def describe(self) -> str:
+        """E.g. `AMD EPYC (avx2; no avx512_bf16/amx), 2 cores, no CUDA`: names the machine in logs and figures."""
+        flags = [f for f in CPU_FLAGS if f in self.cpu_flags] or ["no avx2"]
+        if not self.native_bf16:
+            flags.append("no avx512_bf16/amx")
+        gpu = f"CUDA {self.cuda}" if self.cuda else "no CUDA"
+        return f"{self.cpu_model} ({', '.join(flags)}), {self.cores} cores, {gpu}"
+
+
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no flags read, so no lever that needs one is switched on
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model in (platform.processor(), platform.machine()):
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = frozenset(value.split()) & frozenset(CPU_FLAGS)
+    return model, flags
+
+
+@functools.cache
+def detect() -> Hardware:
+    """This machine, read once per process."""
+    model, flags = _cpuinfo()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        import triton  # noqa: F401
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    return Hardware(model, flags, cores, platform.machine(), cuda, has_triton)
+
+
+# ---- the levers: each (value, reason) ------------------------------------------------------------------------
+
+
+def choose_precision(hw: Hardware, device: str) -> tuple[str, str]:
+    """Trainer precision for `device` (`cuda`, `cpu`, `mps`, ...)."""
+    if device == "cuda":
+        return "16-mixed", f"{hw.cuda or 'CUDA'}: fp16 autocast on tensor cores"
+    if device == "cpu" and hw.native_bf16:
+        flag = next(f for f in NATIVE_BF16_FLAGS if f in hw.cpu_flags)
+        return "bf16-mixed", f"this CPU has native bf16 ({flag}): ~2x fp32's speed"
+    if device == "cpu":
+        return "32-true", f"this CPU has no native bf16, no avx512_bf16 or amx: bf16 autocast would be {BF16_COST_WITHOUT_NATIVE}"
+    return "32-true", f"no mixed precision measured on {device}"
+
+
+def bf16_cost_warning(hw: Hardware, device: str, precision: str) -> str | None:
+    """A one-line warning when bf16 runs on a CPU that emulates it, else None."""
+    if device != "cpu" or hw.native_bf16 or not str(precision).startswith("bf16"):
+        return None
+    return (f"precision {precision} on a CPU without native bf16 ({hw.cpu_model}; no avx512_bf16/amx): "
+            f"expect {BF16_COST_WITHOUT_NATIVE}; precision auto picks 32-true here")
+
+
+def choose_channels_last(hw: Hardware, device: str) -> tuple[bool, str]:
+    """NHWC activations: what tensor cores and oneDNN's x86 convolutions prefer."""
+    if device == "cuda":
+        return True, "NHWC convolutions on tensor cores"
+    if device == "cpu" and "avx2" in hw.cpu_flags:
+        return True, "oneDNN's NHWC convolutions, ~1.2x fp32 on an AVX2 CPU"
+    return False, f"not measured on a {hw.cpu_kind() if device == 'cpu' else device}"
+
+
+def choose_compile(hw: Hardware, device: str) -> tuple[bool, str]:
+    """torch.compile pays minutes of compilation for a faster step: worth it on a GPU with Triton, not on a CPU."""
+    if device == "cuda" and hw.triton:
+        return True, "Triton kernels on CUDA"
+    if device == "cuda":
+        return False, "Triton is not installed"
+    return False, f"on {device} compilation takes minutes for a small gain"
+
+
+def choose_optimizer_impl(hw: Hardware, device: str) -> tuple[str, str]:
+    """`fused`, one vectorised kernel for every parameter, where measured faster; torch's default loop elsewhere."""
+    if device == "cuda":
+        return "fused", "one optimizer kernel for all parameters on CUDA"
+    if device == "cpu" and "avx2" in hw.cpu_flags:
+        # ResNet50's AdamW step: 87 ms -> 16 ms on a 2-core AVX2 EPYC; fused SGD 1.07x the whole step on a bf16 CPU.
+        return "fused", "vectorised CPU kernel, ~5x torch's loop for AdamW on an AVX2 CPU"
+    return "default", f"not measured on a {hw.cpu_kind() if device == 'cpu' else device}"
+
+
+def choose_num_workers(hw: Hardware, device: str, devices_per_node: int = 1) -> tuple[int, str]:
+    """Loader processes per device."""
+    share = max(1, hw.cores // max(1, devices_per_node))
+    if device == "cuda":
+        workers = min(8, share)
+        return workers, f"{hw.cores} CPUs shared by {devices_per_node} GPU(s), at most 8 each"
+    # One core decodes hundreds of small images a second while a CPU trains a ResNet at tens: one loader process
+    # keeps it fed, and every further one takes a core from the compute.
+    return 1, "one loader process feeds a model trained on the CPU; more would take its cores"
