@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -15,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+
+from datamodules import hardware
 
 
 def cpu_model() -> str:
@@ -32,11 +35,23 @@ def cores() -> int:
 
 
 def machine() -> str:
-    """One line naming what the figures were measured on, and how busy it was."""
+    """One line naming what the figures were measured on (CPU model and the flags that decide its levers, cores,
+    GPU), and how busy it was."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu_model()}, {cores()} cores, {gpu}; torch {torch.__version__}; "
+    return (f"{hardware.detect().describe()}; torch {torch.__version__}; "
             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; 1-minute load average {load:.1f}")
+
+
+def auto_cpu_precision() -> str:
+    """The precision `auto` runs on this CPU (bf16-mixed with native bf16, else 32-true): what the benchmarks of
+    the project's defaults train in, on both sides of each comparison."""
+    return hardware.choose_precision(hardware.detect(), "cpu")[0]
+
+
+def cpu_autocast() -> contextlib.AbstractContextManager:
+    """The autocast context of auto_cpu_precision(): bf16 autocast, or none for fp32."""
+    bf16 = auto_cpu_precision() == "bf16-mixed"
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def interleaved(candidates: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, float]:

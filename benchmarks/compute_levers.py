@@ -33,11 +33,11 @@ LEVERS: dict[str, dict] = {
 
 
 def train_step(*, arch: str = "resnet50", size: int = 224, batch: int = 8, channels_last: bool = False,
-               bf16: bool = False, compile: bool = False, impl: str = "default",
-               device: str = "cpu") -> Callable[[], None]:
-    """One SGD step of the project's network on a fixed synthetic batch (B, 3, size, size), as a callable."""
+               bf16: bool = False, compile: bool = False, impl: str = "default", optimizer: str = "sgd",
+               head_hidden: int = 1024, device: str = "cpu") -> Callable[[], None]:
+    """One SGD (or AdamW) step of the project's network on a fixed synthetic batch (B, 3, size, size)."""
     torch.manual_seed(0)
-    net = build_resnet(arch, None, 1024, 0.2, 10).to(device)
+    net = build_resnet(arch, None, head_hidden, 0.2, 10).to(device)
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     if channels_last:
@@ -46,7 +46,10 @@ def train_step(*, arch: str = "resnet50", size: int = 224, batch: int = 8, chann
     if compile:
         net.compile()
     extra = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, **extra)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.05, **extra)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, **extra)
     dtype = torch.bfloat16 if device == "cpu" else torch.float16
 
     def step() -> None:

@@ -19,6 +19,7 @@ from torchvision import datasets
 from torchvision import transforms as T
 
 from benchmarks.common import (
+    auto_cpu_precision,
     cores,
     interleaved,
     lap_times,
@@ -155,13 +156,14 @@ def main(quick: bool = False) -> str:
 
     # How many loader cores feed the training step: step images/s / loader images/s per core.
     arch, step_size, step_batch = ("resnet18", 64, 4) if quick else ("resnet50", 224, 8)
-    step = train_step(arch=arch, size=step_size, batch=step_batch, channels_last=True, bf16=True)
+    precision = auto_cpu_precision()  # what the training step runs in here: bf16 only on a CPU with native bf16
+    step = train_step(arch=arch, size=step_size, batch=step_batch, channels_last=True, bf16=precision == "bf16-mixed")
     step()
     step_rate = step_batch / min(lap_times(2, step))
     loader_rate = 1 / t1["the same + float/normalize on this CPU (the device here)"]
     fast_rate = 1 / t1[DATAMODULE]
     body += (
-        f"\n\nFeeding the model: the {arch} training step (bf16, channels_last, batch {step_batch}) runs at "
+        f"\n\nFeeding the model: the {arch} training step ({precision}, channels_last, batch {step_batch}) runs at "
         f"{step_rate:.1f} img/s on this CPU, so {max(1, math.ceil(step_rate / loader_rate))} loader worker "
         f"({step_rate / loader_rate:.2g} of a core) keeps it fed at {step_size} px. A GPU that trains ResNet-50 at "
         f"{A100_IMAGES_PER_S:,} img/s (one A100, AMP) needs {math.ceil(A100_IMAGES_PER_S / fast_rate)} cores of "

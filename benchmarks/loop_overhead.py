@@ -3,7 +3,8 @@
     python -m benchmarks.loop_overhead [--quick]
 
 Both loops train the same network with the same optimizer (SGD, Nesterov momentum, a per-step LR schedule),
-bf16 autocast and channels_last, on the same synthetic batches from a DataLoader. Lightning adds its hooks, the
+the precision `auto` picks on this CPU (bf16 autocast with native bf16, else fp32) and channels_last, on the same
+synthetic batches from a DataLoader. Lightning adds its hooks, the
 training-accuracy metric and `self.log` calls; the ratio of steps/s says what that costs.
 """
 
@@ -17,7 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import interleaved, section, standalone, table, verdict
+from benchmarks.common import (
+    auto_cpu_precision,
+    cpu_autocast,
+    interleaved,
+    section,
+    standalone,
+    table,
+    verdict,
+)
 from lightning_modules import ImageClassifier
 from lightning_modules.network import build_resnet
 
@@ -44,7 +53,7 @@ def _loader(size: int, batch: int, steps: int) -> DataLoader:
 
 def lightning_laps(model: ImageClassifier, loader: DataLoader) -> list[float]:
     laps = _Laps()
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_epochs=1, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=auto_cpu_precision(), max_epochs=1, logger=False,
                         callbacks=[laps], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, loader)
@@ -67,7 +76,7 @@ def plain_loop(arch: str, batch: int):
         ends = []
         for x, y in loader:
             x = x.contiguous(memory_format=torch.channels_last)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with cpu_autocast():
                 loss = F.cross_entropy(net(x), y)
             loss.backward()
             opt.step()
@@ -82,7 +91,7 @@ def plain_loop(arch: str, batch: int):
 def measure(arch: str, size: int, batch: int, steps: int, reps: int) -> dict[str, float]:
     loader = _loader(size, batch, steps)
     model = ImageClassifier(num_classes=10, arch=arch, optimizer="sgd", lr=0.1, batch_size=batch,
-                            warmup_epochs=0, channels_last=True)
+                            warmup_epochs=0, channels_last=True, optimizer_impl="default")  # as the plain loop
     plain = plain_loop(arch, batch)
     plain(loader)  # warm-up of oneDNN primitives for both (they share the process)
     return interleaved({"lightning": lambda: lightning_laps(model, loader), "plain": lambda: plain(loader)}, reps)
@@ -103,7 +112,7 @@ def main(quick: bool = False) -> str:
     return section(
         "Training-loop overhead",
         body,
-        f"{arch}, SGD + LambdaLR, bf16 autocast, channels_last, synthetic batches, {torch.get_num_threads()} "
+        f"{arch}, SGD + LambdaLR, {auto_cpu_precision()}, channels_last, synthetic batches, {torch.get_num_threads()} "
         "threads; Trainer without logger, checkpointing or progress bar; medians of interleaved steady-state "
         "steps (each includes fetching its batch). `python -m benchmarks.loop_overhead`",
     )

@@ -21,6 +21,9 @@ import torchvision
 from torch import nn
 from torchvision.io import ImageReadMode, decode_image, read_file
 
+from benchmarks.common import cpu_autocast
+from datamodules import hardware
+
 
 def load_split(split_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Every image of an image-folder split as one uint8 (N, 3, H, W) tensor, and the class indices."""
@@ -53,7 +56,8 @@ def train(data: Path, recipe: dict, *, start: float, max_batches: int | None = N
     decay = [p for p in net.parameters() if p.ndim > 1]
     no_decay = [p for p in net.parameters() if p.ndim <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=recipe["betas"])
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=recipe["betas"],
+                            fused=hardware.choose_optimizer_impl(hardware.detect(), "cpu")[0] == "fused")  # as auto
     steps_per_epoch = len(x_train) // batch
     total, warmup = steps_per_epoch * recipe["epochs"], int(recipe["warmup_epochs"] * steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else
@@ -67,14 +71,14 @@ def train(data: Path, recipe: dict, *, start: float, max_batches: int | None = N
         order = torch.randperm(len(x_train))
         for i in range(steps_per_epoch if max_batches is None else min(max_batches, steps_per_epoch)):
             idx = order[i * batch:(i + 1) * batch]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with cpu_autocast():
                 loss = F.cross_entropy(net(prepare(x_train[idx])), y_train[idx], label_smoothing=recipe["label_smoothing"])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
         net.eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), cpu_autocast():
             pred = torch.cat([net(prepare(x_val[i:i + 256])).argmax(1) for i in range(0, len(x_val), 256)])
         yield {"epoch": epoch + 1, "val_acc": (pred == y_val).float().mean().item(), "seconds": time.time() - start}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import yaml
 
-from benchmarks.common import section, standalone, table, verdict
+from benchmarks.common import auto_cpu_precision, section, standalone, table, verdict
 from datamodules.demo import build_demo_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,8 +153,8 @@ def main(quick: bool = False) -> str:
     return section(
         "Time to accuracy",
         body,
-        f"configs/quickstart.yaml ({recipe['arch']} from scratch, {recipe['image_size']} px, AdamW, bf16, "
-        f"channels_last, {recipe['epochs']} epochs) on the demo digits, seeds {', '.join(map(str, seeds))} for "
+        f"configs/quickstart.yaml ({recipe['arch']} from scratch, {recipe['image_size']} px, AdamW, "
+        f"{auto_cpu_precision()} (auto), channels_last, {recipe['epochs']} epochs) on the demo digits, seeds {', '.join(map(str, seeds))} for "
         "both sides; each run is a process of its own, timed from its launch (interpreter start, imports and "
         "reading the data included); runs one after the other. `python -m benchmarks.time_to_accuracy`"
         + (" (quick: 2 batches of one epoch)" if quick else ""),

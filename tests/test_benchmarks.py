@@ -80,3 +80,18 @@ def test_rerunning_some_benchmarks_keeps_the_other_sections():
     update = "# Performance\nother intro\n\n## Compute levers\n\nnew 2\n"
     assert run.replace_sections(document, update) == (
         "# Performance\nintro\n\n## Input pipeline\n\nold 1\n\n## Compute levers\n\nnew 2\n")
+    added = "# Performance\n\n## Hardware\n\nnew 0\n"
+    assert run.replace_sections(document, added) == (
+        "# Performance\nintro\n\n## Hardware\n\nnew 0\n\n## Input pipeline\n\nold 1\n\n## Compute levers\n\nold 2\n")
+
+
+def test_sections_from_different_machines_are_named_in_the_head():
+    one = "Machine: AMD EPYC (avx2, no avx512_bf16/amx), 2 cores, no CUDA; torch 2.14.1"
+    other = "Machine: AMD EPYC (avx2, avx512f, avx512_bf16), 2 cores, no CUDA; torch 2.14.1"
+    same = f"# Performance\nintro\n\n## A\n\n_x. {one}._\n\n## B\n\n_y. {one}._\n"
+    assert run.machines_note(same) == same  # one machine: nothing to say
+    mixed = run.machines_note(f"# Performance\nintro\n\n## A\n\n_x. {one}._\n\n## B\n\n_y. {other}._\n")
+    head = mixed.split("\n## ")[0]
+    assert "**Measured on more than one machine**" in head
+    assert "no avx512_bf16/amx), 2 cores, no CUDA: A;" in head and "avx512_bf16), 2 cores, no CUDA: B)" in head
+    assert run.machines_note(mixed) == mixed  # re-running keeps one note, not two

@@ -1,0 +1,149 @@
+"""Hardware: what this machine's CPU can do, and the quickstart's training step in each precision and memory format.
+
+    python -m benchmarks.hardware [--quick]
+
+Each full run stores its machine's figures in benchmarks/results/hardware/<machine>.json; the section shows every
+machine stored there, one row each, named by its CPU model and flags, so figures from a bf16 CPU and an AVX2-only CPU
+sit side by side and never mix. The last columns say what `auto` picks on that machine (datamodules/hardware.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import yaml
+
+from benchmarks.common import interleaved, lap_times, section, table
+from benchmarks.compute_levers import train_step
+from datamodules import hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "hardware"
+# (precision, memory format) -> train_step options; fp32 NCHW is the baseline of each machine's ratios.
+COMBOS = {
+    "fp32, NCHW": {},
+    "fp32, channels_last": {"channels_last": True},
+    "bf16 autocast, NCHW": {"bf16": True},
+    "bf16 autocast, channels_last": {"bf16": True, "channels_last": True},
+}
+BASELINE = "fp32, NCHW"
+
+
+def quickstart_recipe() -> dict:
+    """The step configs/quickstart.yaml trains: network, image size, batch and optimizer."""
+    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    model, data = config["model"], config["data"]
+    return {"arch": model["arch"], "head_hidden": model["head_hidden"], "optimizer": model["optimizer"],
+            "image_size": data["image_size"], "batch_size": data["batch_size"],
+            "epochs": config["trainer"]["max_epochs"]}
+
+
+def measure(recipe: dict, reps: int, hw: hardware.Hardware) -> dict[str, float]:
+    """img/s of the quickstart's training step for each combination, interleaved medians."""
+    impl = hardware.choose_optimizer_impl(hw, "cpu")[0]  # the optimizer `auto` runs here, in every combination
+    candidates = {}
+    for name, options in COMBOS.items():
+        step = train_step(arch=recipe["arch"], size=recipe["image_size"], batch=recipe["batch_size"],
+                          head_hidden=recipe["head_hidden"], optimizer=recipe["optimizer"], impl=impl, **options)
+        step()  # warm-up: allocator, oneDNN primitives
+        candidates[name] = lambda step=step: lap_times(1, step)
+    seconds = interleaved(candidates, reps)
+    return {name: recipe["batch_size"] / s for name, s in seconds.items()}
+
+
+def record(hw: hardware.Hardware, recipe: dict, img_s: dict[str, float]) -> dict:
+    return {
+        "machine": hw.describe(), "cpu_model": hw.cpu_model, "cpu_kind": hw.cpu_kind(),
+        "cpu_flags": {flag: flag in hw.cpu_flags for flag in hardware.CPU_FLAGS}, "cores": hw.cores,
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "date": f"{datetime.now(UTC):%Y-%m-%d}", "recipe": recipe, "img_s": img_s,
+    }
+
+
+def slug(hw: hardware.Hardware) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", f"{hw.cpu_kind()} {hw.cpu_model} {hw.cores} cores".lower()).strip("-")
+
+
+def stored() -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+
+
+def _picks(entry: dict) -> str:
+    """What `auto` chooses on the recorded machine, from its recorded flags."""
+    hw = hardware.Hardware(entry["cpu_model"], frozenset(f for f, has in entry["cpu_flags"].items() if has),
+                           entry["cores"])
+    precision = hardware.choose_precision(hw, "cpu")[0]
+    layout = "channels_last" if hardware.choose_channels_last(hw, "cpu")[0] else "NCHW"
+    return f"{precision}, {layout}"
+
+
+def render(entries: list[dict]) -> str:
+    headers = ["machine (CPU kind)", "flags: avx2 / avx512f / avx512_bf16 / amx_tile", "torch, threads"]
+    headers += [f"{name} img/s" for name in COMBOS] + ["bf16 / fp32 speed (channels_last)", "auto picks"]
+    rows = []
+    for e in entries:
+        flags = " / ".join("yes" if e["cpu_flags"].get(f) else "no" for f in ("avx2", "avx512f", "avx512_bf16",
+                                                                             "amx_tile"))
+        img_s = e["img_s"]
+        rows.append([f"{e['machine']} ({e['cpu_kind']}, {e['date']})", flags, f"{e['torch']}, {e['threads']}",
+                     *[img_s[name] for name in COMBOS], f"{bf16_speedup(e):.2f}x",
+                     _picks(e)])
+    return table(headers, rows)
+
+
+def bf16_speedup(entry: dict) -> float:
+    """bf16 autocast's speed over fp32's, both channels_last: ~2 with native bf16, ~0.1 without."""
+    return entry["img_s"]["bf16 autocast, channels_last"] / entry["img_s"]["fp32, channels_last"]
+
+
+def quickstart_projection(entry: dict) -> str:
+    """Seconds of training steps in the quickstart (all epochs) at the step rate `auto` picks on that machine."""
+    recipe = entry["recipe"]
+    precision, layout = _picks(entry).split(", ")
+    name = f"{'bf16 autocast' if precision == 'bf16-mixed' else 'fp32'}, {layout}"
+    images = 1437 * recipe["epochs"]  # the demo digits' training split
+    return f"{entry['machine']}: {images / entry['img_s'][name]:.0f} s of training steps at {name}"
+
+
+def main(quick: bool = False, measure_here: bool = True) -> str:
+    """Measure this machine (unless `measure_here` is False) and render every stored machine's figures."""
+    hw = hardware.detect()
+    recipe = quickstart_recipe()
+    if quick:
+        recipe.update(arch="resnet18", image_size=32, batch_size=4)
+    entries = stored()
+    if measure_here:
+        entry = record(hw, recipe, measure(recipe, reps=2 if quick else 5, hw=hw))  # emulated bf16: ~30 s a step
+        if quick:  # checks only: stored figures are full-size runs
+            entries = [entry]
+        else:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"{slug(hw)}.json").write_text(json.dumps(entry, indent=2) + "\n")
+            entries = stored()
+    body = render(entries)
+    body += ("\n\nThe quickstart's training steps (8 epochs of the 1,437 training digits), at what `auto` picks: "
+             + "; ".join(quickstart_projection(e) for e in entries) + ". Validation, start-up and checkpoints "
+             "come on top: `make train`'s wall time is in the README.")
+    return section(
+        "Hardware",
+        body,
+        f"{recipe['arch']} + {recipe['head_hidden']}-unit head, {recipe['image_size']} px, batch "
+        f"{recipe['batch_size']}, {recipe['optimizer']} (the optimizer implementation `auto` picks), synthetic "
+        "batches, medians of interleaved steps; one row per machine stored in benchmarks/results/hardware/ (copy "
+        "another machine's JSON there to compare; `python -m benchmarks.hardware --stored` re-renders without "
+        "measuring). `python -m benchmarks.hardware`",
+    )
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
+    parser.add_argument("--stored", action="store_true", help="render the stored results only, measure nothing")
+    args = parser.parse_args()
+    print(main(args.quick, measure_here=not args.stored))
