@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import time
 from pathlib import Path
 
@@ -273,3 +274,56 @@ def test_no_secret_reaches_the_run_folder(tmp_path, given):
         leaks = [t[max(0, i - 80): i + 80] for t in texts for secret in ("hunter2", API_KEY)
                  if (i := t.find(secret)) >= 0]
         assert not leaks, f"{f} holds a secret: {leaks}"
+
+
+# A user's own ModelCheckpoint, in the variants users write: (init_args, expected files after 3 epochs of 4 steps,
+# with a validation at each epoch's end). Every file the configuration asks for must exist, and nothing else.
+USER_CHECKPOINTS = {
+    "every epoch, keep all": ({"every_n_epochs": 1, "save_top_k": -1, "filename": "e{epoch}"},
+                              {"e0.ckpt", "e1.ckpt", "e2.ckpt"}),
+    "every 2 epochs, last": ({"every_n_epochs": 2, "save_top_k": -1, "save_last": True, "filename": "e{epoch}"},
+                             {"e1.ckpt", "last.ckpt"}),
+    # steps 4, 8 and 12 end an epoch (a validation follows): saved all the same, once that validation has ended
+    "every 2 steps": ({"every_n_train_steps": 2, "save_top_k": -1, "filename": "s{step}"},
+                      {f"s{k}.ckpt" for k in (2, 4, 6, 8, 10, 12)}),
+    "every 4 steps, last only": ({"every_n_train_steps": 4, "save_top_k": 0, "save_last": True}, {"last.ckpt"}),
+    "monitored, best 1 and last": ({"monitor": "val/acc", "mode": "max", "save_top_k": 1, "save_last": True,
+                                    "filename": "best"}, {"best.ckpt", "last.ckpt"}),
+}
+
+
+# Every key the variants set, at Lightning's default: jsonargparse merges a list entry into the shipped entry of the
+# same class at the same position, so an unset key would be the quickstart's own (every_n_train_steps: 100).
+CHECKPOINT_DEFAULTS = {"monitor": None, "mode": "min", "filename": None, "save_top_k": 1, "save_last": None,
+                       "every_n_epochs": None, "every_n_train_steps": None, "train_time_interval": None,
+                       "auto_insert_metric_name": False}
+
+
+def test_users_own_model_checkpoints_save_what_they_ask_for(tmp_path, digits_root, caplog):
+    """All the variants in one fit, each in a folder of its own (the combination users end up with)."""
+    from training.cli import cli_main
+
+    run = tmp_path / "run"
+    folders = {variant: run / f"ckpts{i}" for i, variant in enumerate(USER_CHECKPOINTS)}
+    overlay = tmp_path / "mine.yaml"
+    overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {**CHECKPOINT_DEFAULTS, "dirpath": str(folders[variant]), **init_args}}
+        for variant, (init_args, _) in USER_CHECKPOINTS.items()]}}))
+    with caplog.at_level(logging.INFO):
+        cli = cli_main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(overlay), *TINY,
+                        "--data.root", str(digits_root), "--trainer.default_root_dir", str(run),
+                        "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "4",
+                        "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false"])
+    assert cli.trainer.global_step == 12
+    for variant, (_, expected) in USER_CHECKPOINTS.items():
+        folder = folders[variant]
+        assert {p.name for p in folder.glob("*.ckpt")} == expected, variant
+        steps = {torch.load(p, weights_only=True, map_location="cpu")["global_step"] for p in folder.glob("s*.ckpt")}
+        assert steps == {int(name[1:-5]) for name in expected if name.startswith("s")}  # each file is its step
+    # The closing summary names only files that exist, and how many each callback's folder holds.
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run directory"))
+    named = [line.split()[2] for line in summary.splitlines() if line.startswith(("best checkpoint", "last checkpoint"))]
+    assert named and all(Path(path).is_file() for path in named), summary
+    for variant, (_, expected) in USER_CHECKPOINTS.items():
+        assert f"{folders[variant]}: {len(expected)} file(s)" in summary

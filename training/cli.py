@@ -144,12 +144,20 @@ class ImgclsCLI(LightningCLI):
         if trainer.strategy.broadcast(bool(ckpt.best_model_path) and Path(ckpt.best_model_path).is_file()):
             trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=ckpt.best_model_path, verbose=True)
         run_dir = Path(trainer.default_root_dir)
-        lines = [
-            f"run directory   {_shown(run_dir)}",
-            f"best checkpoint {_shown(ckpt.best_model_path) or '-'} (val/acc {_fmt(ckpt.best_model_score)})",
-            f"last checkpoint {_shown(Path(ckpt.dirpath) / 'last.ckpt')}  (resume: add --ckpt_path last)",
-            f"resolved config {_shown(run_dir / 'config.yaml')}",
-        ]
+        lines = [f"run directory   {_shown(run_dir)}"]
+        # Only files that exist: a user's ModelCheckpoint may monitor nothing, keep no last.ckpt, or save elsewhere.
+        if ckpt.best_model_path and Path(ckpt.best_model_path).is_file():
+            score = f" ({ckpt.monitor} {_fmt(ckpt.best_model_score)})" if ckpt.monitor else ""
+            lines.append(f"best checkpoint {_shown(ckpt.best_model_path)}{score}")
+        lasts = [c.last_model_path for c in trainer.checkpoint_callbacks
+                 if isinstance(c, ModelCheckpoint) and c.last_model_path and Path(c.last_model_path).is_file()]
+        if lasts:
+            lines.append(f"last checkpoint {_shown(lasts[0])}  (resume: add --ckpt_path last)")
+        for folder in dict.fromkeys(c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)):
+            saved = sorted(Path(folder).glob("*.ckpt")) if folder and Path(folder).is_dir() else []
+            lines.append(f"checkpoints     {_shown(folder)}: {len(saved)} file(s)" if saved else
+                         f"checkpoints     none saved in {_shown(folder)}")
+        lines.append(f"resolved config {_shown(run_dir / 'config.yaml')}")
         for logger in trainer.loggers:
             name = next(c.__name__ for c in type(logger).__mro__ if c.__module__.startswith("lightning."))
             lines.append(f"{name:<15} {_shown(logger.log_dir or logger.save_dir)}")

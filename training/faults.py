@@ -38,6 +38,8 @@ class ExactResume(Callback):
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
         self._base = 0
+        self._deferred: list[tuple[ModelCheckpoint, int]] = []  # step saves held until the validation has ended
+        self._deferred_args: tuple = ()
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # seed_everything exports its seed; without one the run is not reproducible anyway.
@@ -68,14 +70,35 @@ class ExactResume(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         # A run resumed from a checkpoint taken at the end of a batch that a validation follows skips that validation
         # (Lightning fast-forwards its progress), so its metrics, best-k checkpoint and val/acc_best would differ from
-        # the uninterrupted run's. Step-interval checkpoints are not taken at such a batch: last.ckpt, written when
-        # that validation ends, holds the same training state. (Callbacks run before ModelCheckpoint, and it skips a
-        # step it believes saved; monitored ones already defer to the validation themselves.)
+        # the uninterrupted run's. So an unmonitored ModelCheckpoint's step save (every_n_train_steps,
+        # train_time_interval) at such a batch is deferred until that validation has ended, when the checkpoint holds
+        # its results; epoch saves are untouched. (Callbacks run before every ModelCheckpoint, which skips a step it
+        # believes saved; monitored ones already defer to the validation themselves.)
+        self._flush_deferred(trainer, pl_module)
         epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
-            for callback in trainer.checkpoint_callbacks:
-                if isinstance(callback, ModelCheckpoint) and callback.monitor is None:
-                    callback._last_global_step_saved = trainer.global_step
+        if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.monitor is None \
+                    and callback._last_global_step_saved != trainer.global_step:
+                self._deferred.append((callback, callback._last_global_step_saved))
+                callback._last_global_step_saved = trainer.global_step  # its on_train_batch_end, next, skips
+        self._deferred_args = (outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Where Lightning saves after a validation (not at the epoch's end), the deferred step save goes there too.
+        self._flush_deferred(trainer, pl_module, lambda c: not c._should_save_on_train_epoch_end(trainer))
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush_deferred(trainer, pl_module)  # just before ModelCheckpoint's own epoch-end saves
+
+    def _flush_deferred(self, trainer: Trainer, pl_module: LightningModule, due=lambda callback: True) -> None:
+        """Give each deferred ModelCheckpoint its step save now (it decides itself whether the step is due)."""
+        flushed = [(c, previous) for c, previous in self._deferred if due(c)]
+        self._deferred = [entry for entry in self._deferred if entry not in flushed]
+        for callback, previous in flushed:
+            callback._last_global_step_saved = previous
+            callback.on_train_batch_end(trainer, pl_module, *self._deferred_args)
 
 
 class Preemption(Callback):
