@@ -186,7 +186,8 @@ def held_out_correct(run: Path) -> tuple[int, int]:
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     data = ImageFolderDataModule(**{**config["data"], "num_workers": 0})
-    model = ImageClassifier.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu")
+    model = ImageClassifier.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu",
+                                                 weights_only=True)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision=config["trainer"]["precision"], logger=False,
                         enable_progress_bar=False, enable_model_summary=False)
     val_acc = trainer.validate(model, datamodule=data, verbose=False)[0]["val/acc"]

@@ -71,20 +71,20 @@ def load_backbone_weights(net: nn.Module, arch: str, weights: str) -> None:
     net.load_state_dict(backbone, strict=False)  # strict=False: only the head (fc.*) is left as initialised
 
 
-def _state_dict_from_file(path: Path) -> dict[str, torch.Tensor]:
+def _state_dict_from_file(path: Path, key: str = "model.weights") -> dict[str, torch.Tensor]:
     if not path.is_file():
-        raise FileNotFoundError(f"model.weights={path} does not exist; pass a state-dict file, a checkpoint, "
+        raise FileNotFoundError(f"{key}={path} does not exist; pass a state-dict file, a checkpoint, "
                                 "a torchvision weights name such as IMAGENET1K_V2, or null")
     # weights_only: a weight file must never be able to run code when it is read.
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise ValueError(f"model.weights={path} holds pickled objects beyond tensors, which could run code when "
+        raise ValueError(f"{key}={path} holds pickled objects beyond tensors, which could run code when "
                          "loaded; refusing it. Re-save it as a plain state dict (torch.save(model.state_dict()))") from None
     if isinstance(state, dict) and "state_dict" in state:  # a Lightning checkpoint of this project
         state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
     if not isinstance(state, dict) or not state:
-        raise ValueError(f"model.weights={path} holds no state dict")
+        raise ValueError(f"{key}={path} holds no state dict")
     return state
 
 
@@ -98,8 +98,12 @@ def _state_dict_from_torchvision(arch: str, name: str) -> dict[str, torch.Tensor
                          "a file path, or null") from None
     file_name = os.path.basename(w.url)
     cached = Path(torch.hub.get_dir()) / "checkpoints" / file_name
+    if cached.is_file():
+        # Read here rather than by torchvision's get_state_dict, whose torch.hub load unpickles anything: a file
+        # dropped into the cache must not run code.
+        return _state_dict_from_file(cached, key=f"model.weights={name}: the cached file")
     try:
-        return w.get_state_dict(progress=True, check_hash=True)
+        return torch.hub.load_state_dict_from_url(w.url, progress=True, check_hash=True, weights_only=True)
     except Exception as err:  # no network, proxy, truncated download...
         raise RuntimeError(
             f"could not download {arch} weights {name} ({type(err).__name__}: {err}). Without network access, "

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torchvision
 import yaml
 
 import training.checkpointing as checkpointing
@@ -178,6 +179,33 @@ def test_crafted_pickle_is_refused_as_weights_and_as_checkpoint(tmp_path):
         build_resnet("resnet18", str(evil), 0, 0.0, 2)
     with pytest.raises(UnsafeCheckpointError, match=f"refusing to load {evil}"):
         AtomicCheckpointIO().load_checkpoint(evil)
+    assert not marker.exists()
+
+
+def test_pickle_planted_in_the_torch_hub_cache_is_refused(tmp_path, monkeypatch):
+    """model.weights=IMAGENET1K_V1 reads $TORCH_HOME/hub/checkpoints/<file> itself, weights_only: torchvision's
+    get_state_dict would unpickle whatever was dropped there."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / Path(torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url).name
+    cached.parent.mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    torch.save({"conv1.weight": _Payload(marker)}, cached)
+    with pytest.raises(ValueError, match=f"the cached file={cached} holds pickled objects beyond tensors"):
+        build_resnet("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
+    assert not marker.exists()
+    clean = torchvision.models.resnet18().state_dict()
+    torch.save(clean, cached)  # a real weights file there is what offline machines use: it loads
+    net = build_resnet("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
+    assert torch.equal(net.conv1.weight, clean["conv1.weight"])
+
+
+def test_export_refuses_a_crafted_pickle_in_one_line(tmp_path):
+    from training import export
+
+    marker = tmp_path / "pwned"
+    evil = _evil_checkpoint(tmp_path / "evil.ckpt", marker)
+    with pytest.raises(SystemExit, match=f"error: refusing to load {evil}"):
+        export.main(["--ckpt_path", str(evil), "--out", str(tmp_path / "out")])
     assert not marker.exists()
 
 

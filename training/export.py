@@ -19,6 +19,7 @@ import torch
 
 from datamodules.presets import ClassificationPresetEval
 from lightning_modules import ImageClassifier
+from training.checkpointing import UnsafeCheckpointError, safe_load
 
 FORMATS = ("onnx", "torchscript")
 
@@ -30,9 +31,10 @@ def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
         raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
     # weights=None: the checkpoint holds every weight, so the pretrained ones it was fine-tuned from (model.weights)
     # are neither needed nor downloaded.
-    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights=None).float().eval()
-    data = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("datamodule_hyper_parameters", {})
-    return model, data
+    # Both reads are weights_only: a checkpoint that needs arbitrary unpickling is refused, naming the file.
+    data = safe_load(ckpt_path).get("datamodule_hyper_parameters", {})
+    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, weights=None)
+    return model.float().eval(), data
 
 
 def preprocessing(data: dict) -> dict:
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         path = export(args.ckpt_path, args.format, args.out)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, UnsafeCheckpointError) as err:
         raise SystemExit(f"error: {err}") from None
     print(f"wrote {path} and {path.with_name('model.json')} (preprocessing, class names)")
 
