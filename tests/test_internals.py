@@ -1,0 +1,83 @@
+"""Every private internal of Lightning (and Optuna) this project relies on, by name: an upgrade that moves one fails
+here, loudly, instead of silently changing a resume, a checkpoint or a comm hook. pyproject pins lightning to the
+minor version these were read from."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib.metadata import version
+
+import lightning as L
+import optuna
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+# (module, name): module-level private functions and types imported by name.
+IMPORTED = [
+    ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # training/faults.py: a restored sampler's epoch
+    ("lightning.pytorch.overrides.distributed", "_register_ddp_comm_hook"),  # training/strategy.py: hooks on CPU too
+    ("lightning.fabric.plugins.precision.precision", "_PRECISION_INPUT"),  # training/trainer.py: precision's type
+    ("lightning.pytorch.cli", "_InstantiatorFn"),  # training/cli.py: the model and data instantiators
+]
+
+# (class, attribute) read or overridden on instances and classes.
+ATTRIBUTES = [
+    (LightningCLI, "_parse_ckpt_path"),  # cli.py: resolve `last` and auto_resume before hparams are read
+    (LightningCLI, "_add_instantiators"),
+    (LightningCLI, "_get"),
+    (ModelCheckpoint, "_should_skip_saving_checkpoint"),
+    (ModelCheckpoint, "_should_save_on_train_epoch_end"),  # faults.py: where a deferred step save goes
+    (ModelCheckpoint, "_should_remove_checkpoint"),  # checkpointing.py: last.ckpt as a hard link
+    (ModelCheckpoint, "_remove_checkpoint"),
+    (ModelCheckpoint, "_save_last_checkpoint"),
+    (ModelCheckpoint, "_monitor_candidates"),
+]
+
+INSTANCE_STATE = {
+    "ModelCheckpoint": ["_last_global_step_saved", "_last_checkpoint_saved"],
+    "DDPStrategy": ["_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper", "_model_averaging_period"],
+    "FitLoop": ["_combined_loader", "_combined_loader_states_to_load", "_data_fetcher"],  # faults.ExactResume
+    "WandbLogger": ["_experiment"],  # callbacks.SecretSafeWandbLogger
+}
+
+
+def test_lightning_is_pinned_to_the_minor_version_read():
+    pinned = next(line for line in open("pyproject.toml") if '"lightning' in line)
+    assert '"lightning>=2.6,<2.7"' in pinned
+    assert version("lightning").startswith("2.6.")
+
+
+@pytest.mark.parametrize(("module", "name"), IMPORTED, ids=[n for _, n in IMPORTED])
+def test_private_imports_exist(module, name):
+    assert hasattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize(("cls", "name"), ATTRIBUTES, ids=[f"{c.__name__}.{n}" for c, n in ATTRIBUTES])
+def test_private_methods_exist(cls, name):
+    assert callable(getattr(cls, name))
+
+
+def test_private_state_exists_on_instances():
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    instances = {"ModelCheckpoint": ModelCheckpoint(), "DDPStrategy": DDPStrategy(), "FitLoop": trainer.fit_loop,
+                 "WandbLogger": WandbLogger(offline=True)}
+    for kind, names in INSTANCE_STATE.items():
+        for name in names:
+            assert hasattr(instances[kind], name), f"{kind}.{name}"
+    # faults.ExactResume calls these on the loop objects themselves
+    assert callable(trainer.fit_loop.epoch_loop._should_check_val_fx)
+    assert "data_fetcher" in inspect.signature(trainer.fit_loop.epoch_loop._should_check_val_fx).parameters
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+    assert callable(CombinedLoader._load_state_dicts)
+
+
+def test_optuna_trial_internals_used_by_the_sweep():
+    """training/sweep.py hands trials across processes by id (as optuna-integration's PyTorchLightningPruningCallback
+    does)."""
+    study = optuna.create_study()
+    trial = study.ask()
+    assert isinstance(trial._trial_id, int) and trial.study._storage is study._storage
