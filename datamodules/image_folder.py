@@ -217,24 +217,27 @@ class ImageFolderDataModule(L.LightningDataModule):
             paths = list_images(self.predict_dir)
             if not paths:
                 raise FileNotFoundError(f"data.predict_dir={self.predict_dir} holds no images")
-            self.predict_set = PredictImages(self._drop_bad(paths), eval_tf, read)
+            (paths,) = self._drop_bad(paths)
+            self.predict_set = PredictImages(paths, eval_tf, read)
             return
         if self.root is None:
             raise ValueError(f"data.root is required for {stage}; pass --data.root FOLDER")
         if stage in ("fit", "validate") and self.train_set is None:  # built once: `fit` validates again at its end
             train, val = self._train_val_samples()
-            train, val = self._drop_bad(train), self._drop_bad(val)
+            train, val = self._drop_bad(train, val)  # one scan, one message for both splits
             self.train_set = ImageFiles(train, train_tf, train_read)
             self.val_set = ImageFiles(val, eval_tf, read)
         if stage == "test":
             test_dir = self.root / "test"
             if not test_dir.is_dir():
                 raise FileNotFoundError(f"{test_dir} does not exist; `imgcls test` needs a test/ split")
-            self.test_set = ImageFiles(self._drop_bad(scan_split(test_dir, self.class_names)), eval_tf, read)
+            (test,) = self._drop_bad(scan_split(test_dir, self.class_names))
+            self.test_set = ImageFiles(test, eval_tf, read)
 
-    def _drop_bad(self, samples: list) -> list:
-        """Scan `samples` (paths or (path, target) pairs) once on rank 0; raise on bad files or drop them."""
-        paths = [s[0] if isinstance(s, tuple) else s for s in samples]
+    def _drop_bad(self, *splits: list) -> list[list]:
+        """Scan the samples of `splits` (paths or (path, target) pairs) once, on rank 0; raise on bad files, listing
+        every split's, or drop them. Returns the splits, filtered."""
+        paths = [s[0] if isinstance(s, tuple) else s for split in splits for s in split]
         trainer = self.trainer
         bad = None
         if trainer is None or trainer.is_global_zero:
@@ -242,16 +245,17 @@ class ImageFolderDataModule(L.LightningDataModule):
         if trainer is not None and trainer.world_size > 1:
             bad = trainer.strategy.broadcast(bad, src=0)  # one scan per run; every rank decides alike
         if not bad:
-            return samples
+            return list(splits)
         message = bad_images_message(bad, len(paths))
         if self.bad_images == "raise":
             raise ValueError(f"{message}\nremove or fix these files, or set data.bad_images: skip")
         if trainer is None or trainer.is_global_zero:
             log.warning(f"data.bad_images=skip: skipping {message}")
         dropped = {p for p, _ in bad}
-        kept = [s for s, p in zip(samples, paths, strict=True) if p not in dropped]
-        if not kept:
-            raise ValueError(f"no usable image is left after skipping {len(bad)} bad files (first: {bad[0][0]})")
+        kept = [[s for s in split if (s[0] if isinstance(s, tuple) else s) not in dropped] for split in splits]
+        if not all(kept):
+            raise ValueError(f"no usable image is left in a split after skipping {len(bad)} bad files "
+                             f"(first: {bad[0][0]})")
         return kept
 
     def _train_val_samples(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:

@@ -66,6 +66,9 @@ def test_unreadable_file_is_reported(tmp_path, monkeypatch):
     assert image_problem(str(path)) == "no read permission"
 
 
+SCANNED = 24  # good images of _bad_dataset: 12 in train/ and 12 in val/, scanned together
+
+
 def _bad_dataset(tmp_path: Path) -> tuple[Path, list[Path]]:
     root = make_image_folder(tmp_path / "data", {"a": 6, "b": 6}, size=32)
     bad = [maker(root / "train" / ("a" if i % 2 else "b") / name) for i, (name, (maker, _)) in
@@ -79,10 +82,25 @@ def test_raise_lists_every_bad_file_before_training(tmp_path):
     with pytest.raises(ValueError) as info:
         dm.setup("fit")
     message = str(info.value)
-    assert message.startswith(f"{len(bad)} of {12 + len(bad)} images cannot be used:")
+    assert message.startswith(f"{len(bad)} of {SCANNED + len(bad)} images cannot be used:")
     for path in bad:
         assert str(path) in message
     assert message.endswith("remove or fix these files, or set data.bad_images: skip")
+
+
+def test_one_scan_lists_the_bad_files_of_train_and_val_together(tmp_path):
+    """A truncated JPEG and an empty file in train/, a text file named .jpg in val/: one error names all three."""
+    root = make_image_folder(tmp_path / "data", {"a": 4, "b": 4}, splits=("train", "val"), size=32)
+    bad = [_truncated_jpeg(root / "train" / "a" / "truncated.jpg"), root / "train" / "b" / "empty.jpg",
+           root / "val" / "a" / "notes.jpg"]
+    bad[1].write_bytes(b"")
+    bad[2].write_text("not an image")
+    dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32)
+    with pytest.raises(ValueError) as info:
+        dm.setup("fit")
+    assert str(info.value).startswith("3 of 19 images cannot be used:")
+    for path in bad:
+        assert str(path) in str(info.value)
 
 
 def test_skip_logs_the_bad_files_and_trains_on_the_rest(tmp_path, caplog):
@@ -96,7 +114,7 @@ def test_skip_logs_the_bad_files_and_trains_on_the_rest(tmp_path, caplog):
     trainer.fit(model, datamodule=dm)
     assert trainer.global_step == 2
     assert len(dm.train_set) == 12
-    assert f"data.bad_images=skip: skipping {len(bad)} of {12 + len(bad)} images cannot be used" in caplog.text
+    assert f"data.bad_images=skip: skipping {len(bad)} of {SCANNED + len(bad)} images cannot be used" in caplog.text
     for path in bad:
         assert str(path) in caplog.text
 
@@ -192,7 +210,7 @@ def test_bad_images_through_the_command_stop_before_training(tmp_path):
     proc = run_cli("fit", *TINY, "--data.root", str(root), "--trainer.default_root_dir", str(run),
                    "--trainer.max_epochs", "1", check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"imgcls: error: {len(bad)} of {12 + len(bad)} images cannot be used:" in proc.stderr
+    assert f"imgcls: error: {len(bad)} of {SCANNED + len(bad)} images cannot be used:" in proc.stderr
     for path in bad:
         assert str(path) in proc.stderr
     assert "Traceback" not in proc.stderr
