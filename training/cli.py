@@ -141,16 +141,17 @@ class ImgclsCLI(LightningCLI):
             return
         # Rank 0 wrote the file (maybe on a background thread, maybe on a disk other nodes do not see): its answer
         # decides for every rank, or the ranks would split between validating and exiting.
-        if trainer.strategy.broadcast(bool(ckpt.best_model_path) and Path(ckpt.best_model_path).is_file()):
-            trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=ckpt.best_model_path, verbose=True)
+        # Read before validating: validate(ckpt_path=best) restores the callbacks' state as it was in that file.
+        best, score, monitor = ckpt.best_model_path, ckpt.best_model_score, ckpt.monitor
+        lasts = [c.last_model_path for c in trainer.checkpoint_callbacks
+                 if isinstance(c, ModelCheckpoint) and c.last_model_path and Path(c.last_model_path).is_file()]
+        if trainer.strategy.broadcast(bool(best) and Path(best).is_file()):
+            trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
         run_dir = Path(trainer.default_root_dir)
         lines = [f"run directory   {_shown(run_dir)}"]
         # Only files that exist: a user's ModelCheckpoint may monitor nothing, keep no last.ckpt, or save elsewhere.
-        if ckpt.best_model_path and Path(ckpt.best_model_path).is_file():
-            score = f" ({ckpt.monitor} {_fmt(ckpt.best_model_score)})" if ckpt.monitor else ""
-            lines.append(f"best checkpoint {_shown(ckpt.best_model_path)}{score}")
-        lasts = [c.last_model_path for c in trainer.checkpoint_callbacks
-                 if isinstance(c, ModelCheckpoint) and c.last_model_path and Path(c.last_model_path).is_file()]
+        if best and Path(best).is_file():
+            lines.append(f"best checkpoint {_shown(best)}" + (f" ({monitor} {_fmt(score)})" if monitor else ""))
         if lasts:
             lines.append(f"last checkpoint {_shown(lasts[0])}  (resume: add --ckpt_path last)")
         for folder in dict.fromkeys(c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)):
