@@ -152,6 +152,9 @@ class ImageFolderDataModule(L.LightningDataModule):
         _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images)
         check_fast_decode(preset, fast_decode)
         self.save_hyperparameters()
+        for key in ("root", "predict_dir"):  # as strings: checkpoints load weights_only, which refuses Paths
+            if isinstance(self.hparams[key], Path):
+                self.hparams[key] = str(self.hparams[key])
         self.root = Path(root).expanduser() if root is not None else None
         self.batch_size = batch_size
         self.num_workers = num_workers

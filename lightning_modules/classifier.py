@@ -227,8 +227,16 @@ class ImageClassifier(L.LightningModule):
             optimizer = torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=(hp.momentum, 0.999), **impl)
 
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-        steps_per_epoch = max(1, total // epochs)
+        # Optimizer steps per epoch from the loader, not total / max_epochs: with max_steps and no max_epochs that
+        # "epoch" would be the whole run, and warm-up with it.
+        if self.trainer.train_dataloader is None and self._trainer.state.fn == "fit":
+            self.trainer.fit_loop.setup_data()  # max_steps runs: estimated_stepping_batches does not build it
+        batches, epochs = self.trainer.num_training_batches, self.trainer.max_epochs
+        if math.isfinite(batches):
+            per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches)
+        else:  # no loader yet (an iterable of unknown length): the configured epochs
+            per_epoch = total // epochs if epochs and epochs > 0 else total
+        steps_per_epoch = max(1, min(total, per_epoch))
         warmup = int(hp.warmup_epochs * steps_per_epoch)
         frozen = hp.freeze_backbone_epochs * steps_per_epoch
 
@@ -249,6 +257,35 @@ class ImageClassifier(L.LightningModule):
             f"{hp.lr * self.lr_scale():.4g} for the head (peak); {total} steps, {warmup} of warm-up"
         )  # not groups[..]["lr"]: LambdaLR has already multiplied that by the schedule's first value
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+    # ---- resuming on another global batch (elastic restarts, fewer GPUs) --------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lr_scale"] = self.lr_scale()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Rescale the restored learning rates when the global batch changed since the checkpoint (another world size
+        after an elastic restart, other accumulation): the optimizer and schedule states carry the old scale."""
+        saved = checkpoint.get("lr_scale")
+        if saved is None or self._trainer is None or self.trainer.state.fn != "fit":
+            return
+        factor = self.lr_scale() / saved
+        if math.isclose(factor, 1.0):
+            return
+        for state in checkpoint.get("optimizer_states", []):
+            for group in state["param_groups"]:
+                for key in ("lr", "initial_lr"):
+                    if key in group:
+                        group[key] *= factor
+        for state in checkpoint.get("lr_schedulers", []):
+            state["base_lrs"] = [lr * factor for lr in state.get("base_lrs", [])]
+            state["_last_lr"] = [lr * factor for lr in state.get("_last_lr", [])]
+        rank_zero_info(
+            f"resuming on a global batch of {self.trainer.world_size} x {self.hparams.batch_size} x "
+            f"{self.trainer.accumulate_grad_batches}: learning rates rescaled x{factor:.4g} ({self.hparams.lr_scaling} "
+            f"scaling: {saved:.4g} -> {self.lr_scale():.4g} per the lr of 256 images)"
+        )
 
 
 def resolve_levers(hparams, device: str) -> tuple[dict[str, bool | str], list[str]]:

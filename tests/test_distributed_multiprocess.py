@@ -283,3 +283,26 @@ def test_torchrun_two_nodes_with_elastic_restart_resume(tmp_path, folder):
     assert [r["start_step"] for r in records] == [2] * 4  # the restarted workers resumed from last.ckpt
     assert [r["end_step"] for r in records] == [4] * 4
     assert len({r["end_digest"] for r in records}) == 1
+
+
+def test_resume_on_another_world_size_rescales_the_learning_rate(tmp_path, folder):
+    """An elastic restart on fewer processes: a checkpoint of 2 ranks x 4 images resumed on 1 halves the global batch,
+    so the restored learning rates are halved (linear scaling), with one line saying so; and back up to 2."""
+    run = tmp_path / "run"
+    common = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(folder),
+              "--data.batch_size", "4", "--trainer.precision", "32-true", "--trainer.limit_train_batches", "2",
+              "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+              "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
+    run_cli(*common, "--trainer.devices", "2", "--trainer.max_epochs", "1",
+            env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
+    two = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    one = run_cli(*common, "--trainer.devices", "1", "--trainer.max_epochs", "2", "--ckpt_path", "last",
+                  env=cli_env(), timeout=300)
+    assert "learning rates rescaled x0.5 (linear scaling" in one.stdout + one.stderr
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert resumed["lr_scale"] == pytest.approx(two["lr_scale"] / 2)
+    initial = [g["initial_lr"] for g in resumed["optimizer_states"][0]["param_groups"]]
+    assert initial == pytest.approx([g["initial_lr"] / 2 for g in two["optimizer_states"][0]["param_groups"]])
+    back = run_cli(*common, "--trainer.devices", "2", "--trainer.max_epochs", "3", "--ckpt_path", "last",
+                   env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
+    assert "learning rates rescaled x2 (linear scaling" in back.stdout + back.stderr

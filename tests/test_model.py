@@ -116,7 +116,8 @@ def test_lr_scales_with_the_global_batch(scaling, expected):
     assert model.lr_scale() == pytest.approx(expected)  # global batch 1 x 64 x 2 = 128 images
 
 
-def _fit(root, epochs: int = 1, callbacks=(), **model_kwargs) -> tuple[ImageClassifier, dict[str, torch.Tensor]]:
+def _fit(root, epochs: int | None = 1, callbacks=(), trainer_kwargs: dict | None = None, ckpt_path=None,
+         **model_kwargs) -> tuple[ImageClassifier, dict[str, torch.Tensor]]:
     """Train 3 steps (of 4 images) per epoch."""
     L.seed_everything(0)
     dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, preset="none", image_size=32)
@@ -125,8 +126,8 @@ def _fit(root, epochs: int = 1, callbacks=(), **model_kwargs) -> tuple[ImageClas
     before = {k: v.clone() for k, v in model.net.state_dict().items()}
     trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=3, limit_val_batches=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=list(callbacks))
-    trainer.fit(model, dm)
+                        enable_model_summary=False, callbacks=list(callbacks), **(trainer_kwargs or {}))
+    trainer.fit(model, dm, ckpt_path=ckpt_path)
     return model, before
 
 
@@ -166,6 +167,30 @@ def test_lr_warms_up_linearly_then_decays_to_zero_on_a_cosine(tmp_path):
     # 6 steps, 3 of warm-up: (step + 1) / 3 up to the peak at the end of warm-up, then 0.5 * (1 + cos(pi * t)) with
     # t = (step - 3) / 3, reaching 0 after the last step.
     assert lr.factors == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 0.75, 0.25, 0.0])
+
+
+def test_warm_up_epochs_are_loader_epochs_under_max_steps(tmp_path):
+    """max_steps without max_epochs: an epoch is still one pass over the loader, not the whole run."""
+    make_image_folder(tmp_path, {"a": 6, "b": 6}, size=32)
+    lr = HeadLrFactors()
+    _fit(tmp_path, epochs=None, callbacks=[lr], trainer_kwargs={"max_steps": 7}, warmup_epochs=1)
+    # 3 steps per epoch (12 images, batch 4 after the val split), so 3 warm-up steps of the 7, then the cosine.
+    assert lr.factors[:4] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+
+
+def test_resuming_on_another_global_batch_rescales_the_learning_rate(tmp_path, caplog):
+    """Accumulating 2 batches after a checkpoint taken with 1 doubles the global batch: the restored optimizer and
+    schedule states are rescaled (linear scaling x2), and the run says so."""
+    make_image_folder(tmp_path, {"a": 6, "b": 6}, size=32)
+    first, _ = _fit(tmp_path, epochs=1)
+    ckpt = tmp_path / "one.ckpt"
+    first.trainer.save_checkpoint(ckpt)
+    with caplog.at_level(logging.INFO):
+        second, _ = _fit(tmp_path, epochs=2, trainer_kwargs={"accumulate_grad_batches": 2}, ckpt_path=ckpt)
+    base = second.trainer.optimizers[0].param_groups[-1]["initial_lr"]
+    assert base == pytest.approx(first.trainer.optimizers[0].param_groups[-1]["initial_lr"] * 2)
+    assert second.trainer.lr_scheduler_configs[0].scheduler.base_lrs[-1] == pytest.approx(base)
+    assert "learning rates rescaled x2 (linear scaling" in caplog.text
 
 
 def test_predict_returns_a_result_for_every_image(tmp_path):

@@ -40,14 +40,30 @@ class ExactResume(Callback):
         self._base = 0
         self._deferred: list[tuple[ModelCheckpoint, int]] = []  # step saves held until the validation has ended
         self._deferred_args: tuple = ()
+        self._world_size: int | None = None  # saved in checkpoints: a resume on another one cannot keep the position
+        self._saved_world_size: int | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # seed_everything exports its seed; without one the run is not reproducible anyway.
         self._base = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
+    def state_dict(self) -> dict:
+        return {"world_size": self._world_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._saved_world_size = state_dict.get("world_size")
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._world_size = trainer.world_size
         fit_loop = trainer.fit_loop
         states = fit_loop._combined_loader_states_to_load
+        if states and self._saved_world_size not in (None, trainer.world_size):
+            # Another world size (an elastic restart): each rank's sampler shard differs, so no saved position maps
+            # onto the new ones. The epoch in progress restarts from its first batch.
+            rank_zero_info(f"resuming on {trainer.world_size} processes, saved on {self._saved_world_size}: the data "
+                           "position within the epoch cannot carry over; this epoch restarts from its first batch")
+            fit_loop._combined_loader_states_to_load = []
+            return
         if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
             return
         fit_loop._combined_loader._load_state_dicts(states)
