@@ -374,14 +374,21 @@ class ImageFolderDataModule(L.LightningDataModule):
 
 
 def _augment_seed(trainer) -> int:
-    """A seed from (run seed, training batch index, rank): a resumed run draws the crops the uninterrupted one drew.
+    """The seed of the batch in hand's device augmentation. Read in the transfer hook, before Lightning counts the
+    batch in hand: the count so far is its index."""
+    return batch_seed(trainer.fit_loop.epoch_loop.batch_progress.total.ready, trainer.global_rank, stream=1)
 
-    The batch index counts every training batch of the run (and is restored from checkpoints); it is read here,
-    in the transfer hook, before Lightning counts the batch in hand.
+
+def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = None) -> int:
+    """A seed from (run seed, training batch index, rank, stream), so that random draws depend only on the batch: a
+    resumed run draws what the uninterrupted one drew, and each micro-batch of an accumulated step draws its own.
+
+    `batch` counts every training batch of the run (Lightning's batch progress, restored from checkpoints); `stream`
+    keeps independent users (dropout, device augmentation) from drawing the same numbers; `base` defaults to the
+    run's seed_everything seed.
     """
-    base = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    batch = trainer.fit_loop.epoch_loop.batch_progress.total.ready
-    return ((base * 1_000_003 + batch) * 1_009 + trainer.global_rank) % (2**63)
+    base = int(os.environ.get("PL_GLOBAL_SEED", 0)) if base is None else base
+    return (((base * 1_000_003 + batch) * 1_009 + rank) * 7 + stream) % (2**63)
 
 
 def _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images) -> None:

@@ -23,7 +23,8 @@ STEPS_PER_EPOCH = 4  # 32 train images / batch 8
 # is kept, last.ckpt and the best one are written at the end of each validation.
 KILL_POINTS = [
     (3, "train", "step0000002.ckpt"),  # mid-epoch 0
-    # during epoch 0's validation: step 4 is not checkpointed (a resume from it would skip that validation)
+    # during epoch 0's validation: step 4's checkpoint is only written once that validation has ended (a resume
+    # from a checkpoint taken before it would skip the validation)
     (4, "val", "step0000002.ckpt"),
     (5, "train", "last.ckpt"),  # first step of epoch 1: last.ckpt of epoch 0's validation
 ]
@@ -256,3 +257,94 @@ def test_ddp_rank_lost_mid_step_peer_exits_within_timeout(tmp_path, data, sig, e
         # load of 5-12 on 2 cores, so twice the worst).
         assert timeout_s <= line_at - lost <= timeout_s + LINE_MARGIN_S, f"{line_at - lost:.1f}s"
         assert timeout_s <= exited - lost <= timeout_s + EXIT_MARGIN_S, f"{exited - lost:.1f}s"
+
+
+class _SeedRecorder:
+    """Mixed into the model: the global seed each training batch starts from (set by ExactResume just before)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seeds.append(torch.initial_seed())
+
+
+def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tmp_path, data):
+    """accumulate_grad_batches=2: the two micro-batches of one optimizer step must not share dropout masks (a seed
+    from the optimizer step would give them the same); rerunning gives the same seeds (resumes depend on it)."""
+    import lightning as L
+
+    from datamodules import ImageFolderDataModule
+    from lightning_modules import ImageClassifier
+    from training.faults import ExactResume
+
+    class Model(_SeedRecorder, ImageClassifier):
+        seeds: list
+
+    def seeds() -> list[int]:
+        L.seed_everything(3)
+        model = Model(num_classes=2, arch="resnet18", head_hidden=8)
+        model.seeds = []
+        trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=0,
+                            accumulate_grad_batches=2, callbacks=[ExactResume()], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, ImageFolderDataModule(str(data), batch_size=4, num_workers=0, image_size=32))
+        assert trainer.global_step == 2
+        return model.seeds
+
+    first = seeds()
+    assert len(first) == 4 and len(set(first)) == 4
+    assert seeds() == first
+
+
+@pytest.mark.slow
+def test_preemption_of_one_ddp_rank_saves_and_stops_every_rank(tmp_path, data):
+    """SIGTERM to rank 1 only: the flag travels by an asynchronous all-reduce on a CPU group, read one step later,
+    so both ranks save preempted.ckpt at the same step and exit with 143."""
+    config = _config(tmp_path, data, devices=2)
+    run = tmp_path / "run"
+    proc = _fit(config, run, *_kill_args(3, "train_start", rank=1), f"--trainer.callbacks.sig={int(signal.SIGTERM)}",
+                check=False)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    saved = run / "checkpoints" / "preempted.ckpt"
+    # The signal came during step 4; its all-reduce started at that step's end and was read at the next one's.
+    assert torch.load(saved, weights_only=True)["global_step"] == 5
+    assert "SIGTERM received: saved" in proc.stdout + proc.stderr
+
+
+def test_non_finite_loss_guard_checks_in_batches_and_always_before_a_save():
+    """One host transfer per check_every_n_steps losses (a GPU step never waits on it), the first bad one named;
+    a checkpoint save checks at once."""
+    from types import SimpleNamespace
+
+    from training.faults import NonFiniteLossError, NonFiniteLossGuard
+
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, checkpoint_callbacks=[])
+    guard = NonFiniteLossGuard(check_every_n_steps=4)
+    for step, value in enumerate([1.0, 2.0, float("nan")], start=1):
+        trainer.global_step = step
+        guard.on_train_batch_end(trainer, None, {"loss": torch.tensor(value)}, None, step - 1)  # not checked yet
+    with pytest.raises(NonFiniteLossError, match="training loss is nan at step 3 .epoch 0, batch 2.; last good "
+                                                 "checkpoint: none yet"):
+        guard.on_save_checkpoint(trainer, None, {})
+    for step in range(4):
+        guard.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, step)
+    assert guard._pending == []  # checked after 4, all finite
+    assert NonFiniteLossGuard().check_every_n_steps is None  # by device: every step on a CPU, every 50 on CUDA
+
+
+@pytest.mark.cuda
+def test_fault_guards_never_synchronise_a_cuda_step_between_checks():
+    from types import SimpleNamespace
+
+    from training.faults import NonFiniteLossGuard
+
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, checkpoint_callbacks=[])
+    guard = NonFiniteLossGuard()
+    loss = torch.ones((), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host wait raises
+    try:
+        for step in range(49):
+            guard.on_train_batch_end(trainer, None, {"loss": loss * step}, None, step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(guard._pending) == 49
+    guard.on_train_batch_end(trainer, None, {"loss": loss}, None, 49)  # the 50th: one check, all finite
+    assert guard._pending == []

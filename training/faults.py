@@ -13,6 +13,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
+from datamodules.image_folder import batch_seed
+
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -29,8 +31,9 @@ class ExactResume(Callback):
     silently dropped and the epoch restarts from its first batch. The pending position is loaded here at
     `on_train_start` and the loader's iterator re-created from it.
 
-    Random numbers: torch's global generator is seeded from (seed, global step, rank) before every training step, so
-    dropout and main-process augmentation depend only on the step, not on how many random numbers were drawn since the
+    Random numbers: torch's global generator is seeded from (seed, training batch index, rank) before every training
+    batch (each micro-batch of an accumulated step has its own), so dropout and main-process augmentation depend only
+    on the batch, not on how many random numbers were drawn since the
     process started. (Lightning does not checkpoint RNG states, and restoring a saved state would still be off by
     whatever the loaders draw at an epoch boundary.)
     """
@@ -80,8 +83,10 @@ class ExactResume(Callback):
         iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        step_seed = (self._base * 1_000_003 + trainer.global_step) * 1_009 + trainer.global_rank
-        torch.manual_seed(step_seed % (2**63))
+        # Per batch, not per optimizer step: under gradient accumulation each micro-batch draws its own dropout masks.
+        # Lightning has counted the batch in hand already.
+        counted = trainer.fit_loop.epoch_loop.batch_progress.total.ready
+        torch.manual_seed(batch_seed(counted - 1, trainer.global_rank, base=self._base))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         # A run resumed from a checkpoint taken at the end of a batch that a validation follows skips that validation
@@ -118,19 +123,26 @@ class ExactResume(Callback):
 
 
 class Preemption(Callback):
-    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel`, Kubernetes eviction): checkpoint at the next step end, exit.
+    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel`, Kubernetes eviction): checkpoint at a step end, then exit.
 
     Lightning's own handler only raises at an epoch boundary on one device (and exits 0, without a checkpoint), and
     its SLURM handler saves from inside the signal handler, mid-step. Here the handler only sets a flag; the save
-    happens at the end of the current training step, where state is consistent, into the run's checkpoint folder as
+    happens at the end of a training step, where state is consistent, into the run's checkpoint folder as
     `preempted.ckpt` (the newest checkpoint, so `--ckpt_path last` and `auto_resume` pick it up). The process then
-    exits with 128 + signal number, so a scheduler sees a failure and requeues. All ranks agree through one all-reduce
-    of a flag per step, so they save and exit together even when only one of them got the signal.
+    exits with 128 + signal number, so a scheduler sees a failure and requeues.
+
+    All ranks agree, so they save and exit together even when only one of them got the signal: each step starts an
+    asynchronous all-reduce (MAX) of the flag on a CPU (gloo) process group, and the next step reads its result. The
+    GPU never waits for it (no device tensor, no `.item()` on one), and the network round trip overlaps a whole step;
+    the save comes one step later than the signal.
     """
 
     def __init__(self) -> None:
         self._received: int = 0
         self._previous: dict[int, object] = {}
+        self._group = None  # the CPU process group of the flag; None on one process
+        self._flag: torch.Tensor | None = None
+        self._work = None  # the all-reduce in flight
 
     def _handler(self, signum, frame) -> None:
         self._received = signum
@@ -140,18 +152,29 @@ class Preemption(Callback):
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handler)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank creates it here
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._work is not None:
+            self._work.wait()  # every rank started it; none leaves it dangling
+            self._work = None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         received = self._received
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            flag = torch.tensor([received], device=trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            received = int(flag.item())
+        if self._group is not None:
+            received = 0
+            if self._work is not None:
+                self._work.wait()  # started a step ago: long done
+                received = int(self._flag.item())  # a CPU tensor: no device synchronisation
+            if not received:
+                self._flag = torch.tensor([self._received], dtype=torch.int64)
+                self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+                return
+            self._work = None
         if not received:
             return
         path = checkpoint_dir(trainer) / "preempted.ckpt"
@@ -165,18 +188,50 @@ class Preemption(Callback):
 class NonFiniteLossGuard(Callback):
     """Stops the run at the first NaN/inf training loss, naming the step and the last good checkpoint.
 
-    It runs before ModelCheckpoint (Lightning orders checkpoint callbacks last), so the broken weights of that step
-    are never saved; AtomicCheckpointIO refuses non-finite weights as a second line of defence. For exploding
+    Reading a GPU loss on the host waits for the step's kernels, so the losses are kept on their device and checked
+    together, in one transfer, every `check_every_n_steps` steps (1 on a CPU, where it costs nothing; 50 on a GPU),
+    and always before a checkpoint is written and before validation: the weights of a step with a non-finite loss
+    are never saved (AtomicCheckpointIO also refuses non-finite weights, a second line of defence). For exploding
     gradients set `trainer.gradient_clip_val`.
+
+    Args:
+        check_every_n_steps: steps between checks; null picks by device as above.
     """
+
+    def __init__(self, check_every_n_steps: int | None = None) -> None:
+        self.check_every_n_steps = check_every_n_steps
+        self._pending: list[tuple[int, int, int, torch.Tensor]] = []  # (step, epoch, batch_idx, loss) unchecked
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is None or torch.isfinite(loss.detach()).all():
+        if loss is None:
             return
+        self._pending.append((trainer.global_step, trainer.current_epoch, batch_idx, loss.detach()))
+        every = self.check_every_n_steps or (1 if loss.device.type == "cpu" else 50)
+        if len(self._pending) >= every:
+            self.check(trainer)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        self.check(trainer)  # raising here stops the save: no checkpoint holds the weights of a non-finite step
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: Trainer) -> None:
+        """Raise NonFiniteLossError for the first non-finite loss since the last check (one device transfer)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        finite = torch.stack([torch.isfinite(loss).all() for *_, loss in pending]).cpu()
+        if bool(finite.all()):
+            return
+        step, epoch, batch_idx, loss = pending[int((~finite).nonzero()[0])]
         raise NonFiniteLossError(
-            f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
-            f"{batch_idx}); last good checkpoint: {last_good_checkpoint(trainer) or 'none yet'}. Lower model.lr, set "
+            f"training loss is {loss.item()} at step {step} (epoch {epoch}, batch {batch_idx}); last good "
+            f"checkpoint: {last_good_checkpoint(trainer) or 'none yet'}. Lower model.lr, set "
             "trainer.gradient_clip_val, or use precision 32-true, then resume with --ckpt_path last"
         )
 
