@@ -226,3 +226,29 @@ def test_fsdp_config_builds_block_wrapped_fsdp_for_large_backbones():
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
     assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
     assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "full"
+
+
+def test_powersgd_memories_survive_an_overflowed_step(master_port):
+    """An inf gradient (an fp16 overflow that the gradient scaler skips) must not poison PowerSGD's error memory and
+    warm-start Q: the steps after it give finite gradients again."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from training.strategy import build_comm_hook
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = DistributedDataParallel(net)
+    state, hook = build_comm_hook("powersgd", net, rank=1, start_iter=2, min_compression_rate=1.0)
+    ddp.register_comm_hook(state, hook)
+    x = torch.randn(8, 32)
+    finite = []
+    for step in range(6):
+        ddp.zero_grad(set_to_none=True)
+        loss = ddp(x).square().mean()
+        (loss * float("inf") if step == 3 else loss).backward()
+        finite.append(all(torch.isfinite(p.grad).all() for p in net.parameters()))
+        memories = [*state.error_dict.values(), *state.q_memory_dict.values()]
+        assert all(torch.isfinite(m).all() for m in memories), step
+        assert memories or step < 2, step  # compressing (and remembering) from the start iteration on
+    assert finite == [True, True, True, False, True, True]

@@ -235,16 +235,25 @@ class ResumablePowerSGDHook:
             # and gloo then aborts on mismatched sizes (gloo::EnforceNotMet). Finishing each bucket before the
             # next keeps the order identical on all ranks, at the cost of overlap (gloo is the CPU/test backend).
             future.wait()
-        if not state.use_error_feedback:
-            return future
 
-        def index_residual(done: torch.futures.Future) -> torch.Tensor:
+        def repair_and_index(done: torch.futures.Future) -> torch.Tensor:
+            # A step whose fp16 gradients overflowed is skipped by the gradient scaler (the inf reaches every rank's
+            # result through the all-reduces), but PowerSGD has already folded it into its memories: a NaN error
+            # memory or warm-start Q would poison every later step. Their non-finite entries are reset here, on the
+            # device, without a synchronisation: errors to 0, Q to draws seeded alike on every rank.
             flat = state.error_dict.get(index)  # PowerSGD stores the new residual before its future completes
             if flat is not None:
+                torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
+            q = state.q_memory_dict.get(index)
+            if q is not None:
+                generator = torch.Generator(q.device).manual_seed(int(state.iter) * 1_009 + index)
+                fresh = torch.randn(q.shape, generator=generator, device=q.device, dtype=q.dtype)
+                q.copy_(torch.where(torch.isfinite(q), q, fresh))
+            if flat is not None and state.use_error_feedback:
                 self.param_error.update(zip((n for n, _ in layout), flat.split([n for _, n in layout]), strict=True))
             return done.value()
 
-        return future.then(index_residual)
+        return future.then(repair_and_index)
 
     def state_dict(self, state: powersgd.PowerSGDState) -> dict[str, Any]:
         """This rank's state as ints and CPU tensors (loadable with torch.load(weights_only=True))."""
