@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -318,8 +319,16 @@ class ImageFolderDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        # drop_last keeps every step's batch (and so BatchNorm statistics and the LR scale) the same size.
-        return self._loader(self.train_set, shuffle=True, drop_last=len(self.train_set) > self.batch_size)
+        # drop_last keeps every step's batch (and so BatchNorm statistics and the LR scale) the same size, where each
+        # process's shard holds more than one batch: a small dataset over many processes would otherwise train on
+        # nothing at all (Lightning's DistributedSampler hands each process ceil(images / processes)).
+        world = self.trainer.world_size if self.trainer is not None else 1
+        per_process = math.ceil(len(self.train_set) / world)
+        if per_process < self.batch_size and (self.trainer is None or self.trainer.is_global_zero):
+            log.warning(f"data: {len(self.train_set)} training images over {world} process(es) give {per_process} "
+                        f"per process, fewer than data.batch_size={self.batch_size}: each step trains on "
+                        f"{per_process} per process")
+        return self._loader(self.train_set, shuffle=True, drop_last=per_process > self.batch_size)
 
     def _eval_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:
         # Under DDP, Lightning's DistributedSampler pads val/test with repeated images so that every rank gets as

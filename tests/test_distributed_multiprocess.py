@@ -306,3 +306,18 @@ def test_resume_on_another_world_size_rescales_the_learning_rate(tmp_path, folde
     back = run_cli(*common, "--trainer.devices", "2", "--trainer.max_epochs", "3", "--ckpt_path", "last",
                    env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
     assert "learning rates rescaled x2 (linear scaling" in back.stdout + back.stderr
+
+
+def test_a_dataset_smaller_than_a_batch_per_process_still_trains(tmp_path):
+    """10 training images, batch 8, 2 processes: 5 per process. drop_last decided on the whole dataset (10 > 8) left
+    every process without a single batch, and the run trained nothing without a word."""
+    root = make_image_folder(tmp_path / "images", {"a": 5, "b": 5}, splits=("train",), size=32)
+    make_image_folder(root, {"a": 2, "b": 2}, splits=("val",), size=32, seed=1)
+    run = tmp_path / "run"
+    proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(root),
+                   "--data.batch_size", "8", "--trainer.devices", "2", "--trainer.max_epochs", "2",
+                   "--trainer.precision", "32-true", "--trainer.default_root_dir", str(run),
+                   "--trainer.enable_progress_bar", "false", env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 2
+    assert "10 training images over 2 process(es) give 5 per process, fewer than data.batch_size=8" in \
+        proc.stdout + proc.stderr
