@@ -68,6 +68,10 @@ class PredictImages(ImageFiles):
         self.paths = paths
 
 
+class UnreadableImageError(ValueError):
+    """An image that could not be read during training (it broke after the start-of-fit scan)."""
+
+
 def _load(read, transform, path: str):
     # A file that broke after the start-of-fit scan: name it, instead of a bare PIL error from a worker. The
     # transform is inside too: with data.fast_decode it decodes the JPEG.
@@ -75,8 +79,8 @@ def _load(read, transform, path: str):
         image = read(path)
         return transform(image) if transform is not None else image
     except Exception as err:
-        raise RuntimeError(f"cannot read image {path}: {err}; remove or replace it (data.bad_images: skip "
-                           "drops unreadable files at the start of fit)") from err
+        raise UnreadableImageError(f"cannot read image {path}: {err}; remove or replace it (data.bad_images: skip "
+                                   "drops unreadable files at the start of fit)") from err
 
 
 def stack_images(images: list[torch.Tensor]) -> torch.Tensor:

@@ -39,3 +39,15 @@ class KillAt(Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if self.where == "val" and not trainer.sanity_checking:
             self._maybe_kill(trainer)
+
+
+class BreakFile(Callback):
+    """Overwrite `path` with bytes that are no image when fit starts: after the start-of-fit scan, before the first
+    read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            Path(self.path).write_bytes(b"this file broke after the scan")

@@ -215,3 +215,17 @@ def test_bad_images_through_the_command_stop_before_training(tmp_path):
         assert str(path) in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (run / "checkpoints").exists()
+
+
+def test_a_file_broken_after_the_scan_is_one_line_naming_it(tmp_path):
+    """The scan passed; the file breaks before a loader worker reads it: one line naming it, no worker traceback."""
+    root = make_image_folder(tmp_path / "data", {"a": 4, "b": 4}, splits=("train", "val"), size=32, ext=".jpg")
+    victim = sorted((root / "train" / "a").iterdir())[0]
+    proc = run_cli("fit", *TINY, "--data.root", str(root), "--data.num_workers", "1", "--data.batch_size", "4",
+                   "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_epochs", "1",
+                   "--trainer.num_sanity_val_steps", "0", "--trainer.callbacks+=tests.fault_injection.BreakFile",
+                   f"--trainer.callbacks.path={victim}", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"imgcls: error: cannot read image {victim}: "), last
+    assert "Traceback" not in proc.stderr

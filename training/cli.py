@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
+from datamodules.image_folder import UnreadableImageError
 from lightning_modules import ImageClassifier
 from training.callbacks import WANDB_RUN_ID_FILE, PredictionWriter, RunConfig, SecretSafeWandbLogger
 from training.checkpointing import (
@@ -280,6 +281,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except USER_ERRORS as err:
+        if isinstance(err, UnreadableImageError) and not os.environ.get("IMGCLS_TRACEBACK"):
+            # From a loader worker it arrives re-raised by torch, its message the worker's whole traceback: the last
+            # line is ours.
+            print(f"imgcls: error: {str(err).strip().splitlines()[-1].split('UnreadableImageError: ')[-1]}",
+                  file=sys.stderr)
+            sys.exit(2)
         if os.environ.get("IMGCLS_TRACEBACK") or not _raised_here(err):
             raise
         # Bad config values, data layout, images or checkpoints: our messages name the key or file and the fix, so
