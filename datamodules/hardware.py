@@ -47,7 +47,7 @@ class Hardware:
         return "AVX2 CPU" if "avx2" in self.cpu_flags else f"{self.machine} CPU"
 
     def describe(self) -> str:
-        """E.g. `AMD EPYC (avx2; no avx512_bf16/amx), 2 cores, no CUDA`: names the machine in logs and figures."""
+        """E.g. `AMD EPYC (avx2, no avx512_bf16/amx), 2 cores, no CUDA`: names the machine in logs and figures."""
         flags = [f for f in CPU_FLAGS if f in self.cpu_flags] or ["no avx2"]
         if not self.native_bf16:
             flags.append("no avx512_bf16/amx")
@@ -56,18 +56,20 @@ class Hardware:
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:
-    model, flags = platform.processor() or platform.machine(), frozenset()
+    """The first CPU's model name and its flags of CPU_FLAGS, from /proc/cpuinfo (Linux); elsewhere no flags, so no
+    lever that needs one is switched on."""
+    model, flags = None, None
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no flags read, so no lever that needs one is switched on
-        return model, flags
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model in (platform.processor(), platform.machine()):
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and model is None:
+            model = value
+        elif key == "flags" and flags is None:
             flags = frozenset(value.split()) & frozenset(CPU_FLAGS)
-    return model, flags
+    return model or platform.processor() or platform.machine(), flags or frozenset()
 
 
 @functools.cache
@@ -137,9 +139,8 @@ def choose_optimizer_impl(hw: Hardware, device: str) -> tuple[str, str]:
 
 def choose_num_workers(hw: Hardware, device: str, devices_per_node: int = 1) -> tuple[int, str]:
     """Loader processes per device."""
-    share = max(1, hw.cores // max(1, devices_per_node))
     if device == "cuda":
-        workers = min(8, share)
+        workers = min(8, max(1, hw.cores // max(1, devices_per_node)))
         return workers, f"{hw.cores} CPUs shared by {devices_per_node} GPU(s), at most 8 each"
     # One core decodes hundreds of small images a second while a CPU trains a ResNet at tens: one loader process
     # keeps it fed, and every further one takes a core from the compute.

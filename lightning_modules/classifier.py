@@ -297,7 +297,7 @@ def resolve_levers(hparams, device: str) -> tuple[dict[str, bool | str], list[st
     for key, rule in rules.items():
         value, why = rule(hw, device) if hparams[key] == "auto" else (hparams[key], "set in the config")
         levers[key] = value
-        shown = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        shown = ("on" if value else "off") if isinstance(value, bool) else value
         reasons.append(f"{key} {shown} ({why})")
     return levers, reasons
 

@@ -95,3 +95,15 @@ def test_sections_from_different_machines_are_named_in_the_head():
     assert "**Measured on more than one machine**" in head
     assert "no avx512_bf16/amx), 2 cores, no CUDA: A;" in head and "avx512_bf16), 2 cores, no CUDA: B)" in head
     assert run.machines_note(mixed) == mixed  # re-running keeps one note, not two
+
+
+def test_hardware_benchmark_times_the_quickstarts_step():
+    import yaml
+
+    from benchmarks.hardware import ROOT, quickstart_recipe
+
+    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    recipe = quickstart_recipe()
+    assert (recipe["arch"], recipe["optimizer"], recipe["image_size"], recipe["batch_size"]) == (
+        config["model"]["arch"], config["model"]["optimizer"], config["data"]["image_size"],
+        config["data"]["batch_size"])
