@@ -42,12 +42,12 @@ class KillAt(Callback):
 
 
 class BreakFile(Callback):
-    """Overwrite `path` with bytes that are no image when fit starts: after the start-of-fit scan, before the first
-    read."""
+    """Overwrite `path` with bytes that are no image in the callbacks' `setup`: after the DataModule's setup (the scan),
+    before the train loader exists (its workers prefetch as soon as it is iterated, before `on_fit_start`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.is_global_zero:
             Path(self.path).write_bytes(b"this file broke after the scan")
