@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ import yaml
 from datamodules.images import list_images, load_rgb
 from datamodules.presets import ClassificationPresetEval
 from lightning_modules import ImageClassifier
-from tests.helpers import CONFIGS, TINY, cli_env, free_port, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
 from training.export import main as export_main
 
 FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--trainer.limit_train_batches", "4",
@@ -134,16 +136,22 @@ def test_predict_from_checkpoint_alone_writes_csv(checkpoint, images, tmp_path, 
 
 
 @pytest.mark.slow
-def test_predict_under_ddp_merges_ranks_without_padding_duplicates(checkpoint, images, tmp_path, offline_env):
-    run_cli("predict", "--ckpt_path", str(checkpoint), "--data.root", "null", "--data.predict_dir", str(images),
-            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
-            "--trainer.strategy", "ddp", "--trainer.default_root_dir", str(tmp_path),
-            env={**offline_env, "MASTER_PORT": str(free_port())})
-    rows = read_predictions(tmp_path / "predictions.csv")
+def test_predict_under_ddp_gathers_the_ranks_without_a_shared_disk(checkpoint, images, tmp_path, offline_env):
+    """2 torchrun processes, each with its own run directory (two nodes, no shared disk): the parts travel through
+    the process group, and rank 0 writes every image once, in order, none of the sampler's padding."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "tests.per_rank_run_dir", str(tmp_path), "predict", "--ckpt_path", str(checkpoint),
+         "--data.root", "null", "--data.predict_dir", str(images), "--data.num_workers", "0",
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+        cwd=ROOT, env=offline_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_predictions(tmp_path / "rank0" / "predictions.csv")
     paths = list_images(images)
     assert [r["path"] for r in rows] == paths  # 7 images on 2 ranks: each once, in order, none padded in
     assert [int(r["label"]) for r in rows] == reference(checkpoint, paths).argmax(dim=1).tolist()
-    assert not list(tmp_path.glob(".predictions.csv.rank*"))  # the parts are merged and removed
+    assert not (tmp_path / "rank1" / "predictions.csv").exists()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and "predictions" in p.name and p.parent.name != "rank0"]
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "torchscript"])

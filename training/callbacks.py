@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import SaveConfigCallback
@@ -127,8 +127,9 @@ class SecretSafeWandbLogger(WandbLogger):
 class PredictionWriter(BasePredictionWriter):
     """Writes `predictions.csv` (path, label, class name, confidence, top-5) at the end of `imgcls predict`.
 
-    Under DDP each rank writes its part; rank 0 merges the parts in dataset order and drops the duplicates that the
-    distributed sampler pads with.
+    Under DDP the ranks' parts travel to rank 0 through the process group (no shared disk needed: each node may have
+    its own run directory), and rank 0 writes them in dataset order, without the duplicates that the distributed
+    sampler pads with.
     """
 
     def __init__(self, output_dir: str | None = None, filename: str = "predictions.csv") -> None:
@@ -140,35 +141,41 @@ class PredictionWriter(BasePredictionWriter):
         return Path(self.output_dir or trainer.default_root_dir)
 
     def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
+        part = _prediction_rows(predictions)
+        parts = gather_to_rank_zero(part) if trainer.world_size > 1 else [part]
+        if not trainer.is_global_zero:
+            return
+        merged = {row[0]: row for rows in parts for row in rows}  # a padded duplicate overwrites its identical twin
+        paths = trainer.datamodule.predict_set.paths
+        names = pl_module.class_names
         out = self._out_dir(trainer)
         out.mkdir(parents=True, exist_ok=True)
-        rows = []
-        for batch in predictions:
-            for i in range(len(batch["index"])):
-                rows.append((
-                    int(batch["index"][i]),
-                    int(batch["label"][i]),
-                    batch["class_name"][i],
-                    float(batch["confidence"][i]),
-                    batch["top5_labels"][i].tolist(),
-                    batch["top5_probs"][i].tolist(),
-                ))
-        torch.save(rows, out / f".{self.filename}.rank{trainer.global_rank}")
-        trainer.strategy.barrier()
-        if trainer.is_global_zero:
-            merged: dict[int, tuple] = {}
-            for rank in range(trainer.world_size):
-                part = out / f".{self.filename}.rank{rank}"
-                merged.update((r[0], r) for r in torch.load(part, weights_only=True))
-                part.unlink()
-            paths = trainer.datamodule.predict_set.paths
-            names = pl_module.class_names
-            with open(out / self.filename, "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(["path", "label", "class_name", "confidence", "top5"])
-                for index in sorted(merged):
-                    _, label, name, conf, top_labels, top_probs = merged[index]
-                    top5 = " ".join(f"{names[c]}:{p:.4f}" for c, p in zip(top_labels, top_probs, strict=True))
-                    writer.writerow([paths[index], label, name, f"{conf:.6f}", top5])
-            print(f"wrote {len(merged)} predictions to {out / self.filename}")
-        trainer.strategy.barrier()
+        with open(out / self.filename, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "label", "class_name", "confidence", "top5"])
+            for index in sorted(merged):
+                _, label, name, conf, top_labels, top_probs = merged[index]
+                top5 = " ".join(f"{names[c]}:{p:.4f}" for c, p in zip(top_labels, top_probs, strict=True))
+                writer.writerow([paths[index], label, name, f"{conf:.6f}", top5])
+        print(f"wrote {len(merged)} predictions to {out / self.filename}")
+
+
+def _prediction_rows(predictions: list[dict]) -> list[tuple]:
+    """predict_step outputs -> (index, label, class name, confidence, top-5 labels, top-5 probabilities) rows."""
+    rows = []
+    for batch in predictions:
+        for i in range(len(batch["index"])):
+            rows.append((int(batch["index"][i]), int(batch["label"][i]), batch["class_name"][i],
+                         float(batch["confidence"][i]), batch["top5_labels"][i].tolist(),
+                         batch["top5_probs"][i].tolist()))
+    return rows
+
+
+def gather_to_rank_zero(obj):
+    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere): through the process group, not the disk.
+
+    gloo takes the objects as pickled CPU bytes; NCCL stages them on the current device, which Lightning has set.
+    """
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, parts, dst=0)
+    return parts
