@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +20,7 @@ import yaml
 
 import training.checkpointing as checkpointing
 from lightning_modules.network import build_resnet
-from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
 from training.callbacks import redact_secrets
 from training.checkpointing import (
     AsyncAtomicCheckpointIO,
@@ -25,6 +30,7 @@ from training.checkpointing import (
     NonFiniteWeightsError,
     UnsafeCheckpointError,
     resolve_resume,
+    tidy_checkpoint_folders,
 )
 
 
@@ -161,15 +167,102 @@ def test_truncated_last_checkpoint_falls_back_to_newest_intact(tmp_path, capsys)
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a crash mid-write without atomic saves
     (tmp_path / "empty.ckpt").touch()
     with pytest.warns(UserWarning, match=f"checkpoint {last} is unusable: truncated"):
-        found = resolve_resume("last", tmp_path, auto_resume=False)
-    assert found == str(tmp_path / "step0000004.ckpt")
+        plan = resolve_resume("last", tmp_path, auto_resume=False)
+    assert plan.path == str(tmp_path / "step0000004.ckpt")
+    assert set(plan.unusable) == {last, tmp_path / "empty.ckpt"}
+    assert last.exists()  # choosing is read-only: every rank chooses at once; rank 0 tidies once they agree
+    tidy_checkpoint_folders([tmp_path], plan.unusable)
     assert not last.exists() and (tmp_path / "last.ckpt.corrupt").is_file()  # moved aside, kept for inspection
     # An explicit broken path falls back too; auto_resume with no checkpoint folder starts from scratch.
     broken = tmp_path / "step0000006.ckpt"
     broken.write_bytes(b"PK\x03\x04")
     with pytest.warns(UserWarning, match=f"checkpoint {broken} is unusable"):
-        assert resolve_resume(str(broken), tmp_path, auto_resume=False) == str(tmp_path / "step0000004.ckpt")
-    assert resolve_resume(None, tmp_path / "none", auto_resume=True) is None
+        assert resolve_resume(str(broken), tmp_path, auto_resume=False).path == str(tmp_path / "step0000004.ckpt")
+    assert resolve_resume(None, tmp_path / "none", auto_resume=True).path is None
+
+
+def test_tidying_removes_the_temporary_files_of_killed_writes_and_nothing_else(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(_ckpt(1.0), tmp_path / "last.ckpt")
+    killed = [tmp_path / ".last.ckpt.tmp4242", tmp_path / ".epoch001-step0000004.ckpt.tmp17"]  # AtomicCheckpointIO's
+    for path in killed:
+        path.write_bytes(b"\0" * 4096)
+    kept = [tmp_path / "last.ckpt", tmp_path / ".notes.tmpfile", tmp_path / "mine.ckpt.tmp12", tmp_path / ".hidden"]
+    for path in kept[1:]:
+        path.write_text("the user's")
+    tidy_checkpoint_folders([tmp_path, tmp_path / "missing"])
+    assert [p for p in killed if p.exists()] == []
+    assert [p for p in kept if not p.exists()] == []
+
+
+def _agreeing_rank(rank: int, port: int, folder: str) -> None:
+    """Each rank chooses from its own folder (its working directory: the same relative path, another disk)."""
+    os.chdir(Path(folder, f"view{rank}"))
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = []
+    for choices in (["step0000004.ckpt", "step0000002.ckpt"], ["step0000006.ckpt", None]):
+        try:
+            results.append(checkpointing.agree_on_resume(choices[rank]))
+        except FileNotFoundError as err:
+            results.append(f"error: {err}")
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+def test_every_rank_follows_rank_zeros_resume_choice(tmp_path):
+    """Two ranks that chose differently from their own view of the disk load rank 0's checkpoint; when one cannot
+    read it, every rank stops with the same error naming that rank."""
+    for rank, names in enumerate((["step0000002.ckpt", "step0000004.ckpt", "step0000006.ckpt"],
+                                  ["step0000002.ckpt", "step0000004.ckpt"])):
+        (tmp_path / f"view{rank}").mkdir()
+        for name in names:
+            (tmp_path / f"view{rank}" / name).touch()
+    torch.multiprocessing.start_processes(_agreeing_rank, args=(free_port(), str(tmp_path)), nprocs=2,
+                                          start_method="spawn")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    blind = ("error: rank 0 resumes from step0000006.ckpt, which rank(s) 1 cannot read: the checkpoint folder must "
+             "be on a disk that every node mounts at the same path")
+    assert results == [["step0000004.ckpt", blind]] * 2
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_with_different_views_of_the_folder_resume_from_one_checkpoint(tmp_path):
+    """2 torchrun processes, each with its own run directory: rank 0's holds the whole run (a truncated last.ckpt,
+    the temporary file of a killed write), rank 1's an older checkpoint only (a stale view from another node).
+    Both resume from rank 0's newest intact checkpoint; rank 0 alone tidies its folder, after the ranks agreed."""
+    data = make_image_folder(tmp_path / "images", {"a": 4, "b": 4}, size=32)
+    common = ["--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(data), "--data.batch_size", "2",
+              "--trainer.precision", "32-true", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches",
+              "1", "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false"]
+    run_cli("fit", *common, "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(tmp_path / "rank0"),
+            env=cli_env())
+    folder = tmp_path / "rank0" / "checkpoints"
+    steps = {c: torch.load(c, weights_only=True, map_location="cpu")["global_step"] for c in folder.glob("*.ckpt")}
+    assert max(steps.values()) == 4 and min(steps.values()) < 4, steps
+    last = folder / "last.ckpt"
+    truncated = last.read_bytes()[:1000]
+    last.unlink()
+    last.write_bytes(truncated)
+    leftover = folder / ".last.ckpt.tmp999999"
+    leftover.write_bytes(b"\0" * 4096)
+    (tmp_path / "rank1" / "checkpoints").mkdir(parents=True)
+    oldest = min(steps, key=steps.get)
+    shutil.copy2(oldest, tmp_path / "rank1" / "checkpoints" / oldest.name)
+    probe = tmp_path / "probe"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "tests.per_rank_run_dir", str(tmp_path), "fit", *common, "--trainer.max_epochs", "3",
+         "--trainer.devices", "2", "--trainer.strategy", "training.strategy.CompressedDDPStrategy",
+         "--trainer.strategy.timeout_s", "60", "--trainer.callbacks+=tests.distributed_probe.Probe",
+         f"--trainer.callbacks.out_dir={probe}", "--ckpt_path", "last"],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    records = [torch.load(probe / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["start_step"] for r in records] == [4, 4]  # not 4 on rank 0 and rank 1's older step
+    assert "rank 0's choice; rank(s) 1 saw" in log
+    assert (folder / "last.ckpt.corrupt").read_bytes() == truncated and not leftover.exists()
+    assert sorted(p.name for p in (tmp_path / "rank1" / "checkpoints").iterdir()) == [oldest.name]  # untouched
 
 
 def test_crafted_pickle_is_refused_as_weights_and_as_checkpoint(tmp_path):

@@ -26,6 +26,7 @@ IMPORTED = [
 
 # (class, attribute) read or overridden on instances and classes.
 ATTRIBUTES = [
+    (L.Trainer, "_run"),  # trainer.py: the ranks agree on the resume checkpoint between process group and load
     (LightningCLI, "_parse_ckpt_path"),  # cli.py: resolve `last` and auto_resume before hparams are read
     (LightningCLI, "_add_instantiators"),
     (LightningCLI, "_get"),
@@ -71,6 +72,7 @@ def test_private_state_exists_on_instances():
     # faults.ExactResume calls these on the loop objects themselves
     assert callable(trainer.fit_loop.epoch_loop._should_check_val_fx)
     assert "data_fetcher" in inspect.signature(trainer.fit_loop.epoch_loop._should_check_val_fx).parameters
+    assert list(inspect.signature(L.Trainer._run).parameters) == ["self", "model", "ckpt_path", "weights_only"]
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
     assert callable(CombinedLoader._load_state_dicts)
 

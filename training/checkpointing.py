@@ -9,19 +9,22 @@ import contextlib
 import errno
 import os
 import pickle
+import re
 import shutil
 import threading
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
 class CheckpointWriteError(OSError):
@@ -241,52 +244,116 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"unreadable ({err.strerror or err})"
 
 
-def newest_intact_checkpoint(folder: Path, first: Path | None = None) -> Path | None:
-    """The newest intact `*.ckpt` of `folder` (`first` is tried before the others); reports each broken one."""
-    candidates = sorted((p for p in folder.glob("*.ckpt") if not p.name.startswith(".")),
-                        key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"), reverse=True)
+@dataclass(frozen=True)
+class ResumePlan:
+    """The checkpoint a fit loads (None: from scratch), and the unusable ones seen while choosing it."""
+
+    path: str | None
+    unusable: tuple[Path, ...] = ()
+
+
+def newest_intact_checkpoint(folder: Path, first: Path | None = None) -> tuple[Path | None, list[Path]]:
+    """(the newest intact `*.ckpt` of `folder`, the unusable ones newer than it); `first` is tried before the others.
+
+    Read-only: every rank of a job may run it at once. Each unusable file is reported; `tidy_checkpoint_folders`
+    moves them aside once the ranks have agreed (`agree_on_resume`).
+    """
+    candidates = []
+    for p in folder.glob("*.ckpt"):
+        with contextlib.suppress(FileNotFoundError):  # removed since the listing (an older job still tidying)
+            if not p.name.startswith("."):
+                candidates.append(((p.stat().st_mtime_ns, p.name == "last.ckpt"), p))
+    candidates = [p for _, p in sorted(candidates, key=lambda c: c[0], reverse=True)]
     if first is not None:
         candidates = [first] + [p for p in candidates if p != first]
+    unusable = []
     for path in candidates:
         problem = checkpoint_problem(path)
         if problem is None:
-            return path
-        # Moved aside, so that it neither shadows the checkpoints written next (ModelCheckpoint would write
-        # last-v1.ckpt beside a stale last.ckpt) nor gets picked again; kept for inspection.
-        aside = path.with_name(path.name + ".corrupt")
-        if rank_zero_only.rank == 0:
-            with contextlib.suppress(OSError):
-                os.replace(path, aside)
-        rank_zero_warn(f"checkpoint {path} is unusable: {problem}; moved it to {aside.name}, trying an older one")
-    return None
+            return path, unusable
+        unusable.append(path)
+        rank_zero_warn(f"checkpoint {path} is unusable: {problem}; trying an older one (it will be moved to "
+                       f"{path.name}.corrupt)")
+    return None, unusable
 
 
-def resolve_resume(ckpt_path: str | None, ckpt_dir: Path, auto_resume: bool) -> str | None:
-    """The checkpoint `fit` should resume from.
+def resolve_resume(ckpt_path: str | None, ckpt_dir: Path, auto_resume: bool) -> ResumePlan:
+    """The checkpoint `fit` should resume from, as this process sees the disk (read-only).
 
     `last` (or `auto_resume` with no ckpt_path) means the newest intact checkpoint of the run's checkpoint folder,
     whichever callback wrote it (the step-interval one or the best-k one). An explicit path that is broken falls
-    back to the newest intact checkpoint of its own folder.
+    back to the newest intact checkpoint of its own folder. Under several processes, rank 0's plan is the one that
+    every rank follows (`agree_on_resume`, once the process group is up).
     """
     if ckpt_path is None and not auto_resume:
-        return None
+        return ResumePlan(None)
     if ckpt_path in (None, "last"):
-        found = newest_intact_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+        found, unusable = newest_intact_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else (None, [])
         if found is None:
             if ckpt_path == "last":
                 rank_zero_warn(f"--ckpt_path last: no intact checkpoint in {ckpt_dir}; training from scratch")
-            return None
+            return ResumePlan(None, tuple(unusable))
         rank_zero_info(f"resuming from {found} ({'auto_resume' if ckpt_path is None else '--ckpt_path last'})")
-        return str(found)
+        return ResumePlan(str(found), tuple(unusable))
     if ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
-        return ckpt_path
+        return ResumePlan(ckpt_path)
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt_path {path} does not exist; use --ckpt_path last to resume the newest one")
-    found = newest_intact_checkpoint(path.parent, first=path)
+    found, unusable = newest_intact_checkpoint(path.parent, first=path)
     if found is None:
         raise ValueError(f"--ckpt_path {path} is unusable ({checkpoint_problem(path)}) and {path.parent} holds no "
                          "intact checkpoint to fall back to")
     if found != path:
         rank_zero_info(f"resuming from {found} instead of the unusable {path}")
-    return str(found)
+    return ResumePlan(str(found), tuple(unusable))
+
+
+def agree_on_resume(path: str | None) -> str | None:
+    """Rank 0's resume checkpoint, on every rank; `path` as it is without an initialised process group of 2+.
+
+    Each rank chose from its own view of the disk (a stale network-file-system cache, a node-local copy, a folder
+    that rank 0 was tidying): ranks that loaded different checkpoints would train from different steps, and their
+    collectives would hang. A rank that cannot read rank 0's choice stops the job, on every rank, naming it.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return path
+    choices: list = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, path)
+    agreed = choices[0]
+    readable: list = [None] * dist.get_world_size()
+    dist.all_gather_object(readable, agreed is None or Path(agreed).is_file())
+    blind = [rank for rank, ok in enumerate(readable) if not ok]
+    if blind:
+        raise FileNotFoundError(
+            f"rank 0 resumes from {agreed}, which rank(s) {', '.join(map(str, blind))} cannot read: the checkpoint "
+            "folder must be on a disk that every node mounts at the same path")
+    differing = [rank for rank, choice in enumerate(choices) if choice != agreed]
+    if differing:
+        rank_zero_info(f"resuming every rank from {agreed} (rank 0's choice; rank(s) "
+                       f"{', '.join(map(str, differing))} saw {choices[differing[0]]} on their disk)")
+    return agreed
+
+
+# A write that a kill interrupted leaves `.<name>.tmp<pid>` (AtomicCheckpointIO._replace): as big as a checkpoint.
+_TEMPORARY = re.compile(r"^\..+\.tmp\d+$")
+
+
+def tidy_checkpoint_folders(folders, unusable=()) -> None:
+    """Rank 0, before a fit: move the unusable checkpoints aside (`<name>.corrupt`, kept for inspection) and remove
+    the temporary files of writes that were killed. Nothing writes into the folders at this point of a fit."""
+    for path in unusable:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path, path.with_name(path.name + ".corrupt"))
+            rank_zero_info(f"moved the unusable checkpoint {path} to {path.name}.corrupt")
+    for folder in dict.fromkeys(Path(f) for f in folders if f):
+        leftovers = [p for p in folder.glob(".*.tmp*") if _TEMPORARY.match(p.name) and p.is_file()] \
+            if folder.is_dir() else []
+        size = 0
+        for leftover in leftovers:
+            with contextlib.suppress(FileNotFoundError):
+                size += leftover.stat().st_size
+                leftover.unlink()
+        if leftovers:
+            rank_zero_info(f"removed {len(leftovers)} temporary file(s) ({size / 2**20:.0f} MiB) left in {folder} by "
+                           "checkpoint writes that were interrupted")

@@ -29,6 +29,7 @@ from training.callbacks import WANDB_RUN_ID_FILE, PredictionWriter, RunConfig, S
 from training.checkpointing import (
     AtomicCheckpointIO,
     CheckpointWriteError,
+    ResumePlan,
     UnsafeCheckpointError,
     resolve_resume,
     unsafe_message,
@@ -68,6 +69,8 @@ class ImgclsCLI(LightningCLI):
     names a dirpath), loggers whose `save_dir` is "" write into `<run>`, and the resolved config is `<run>/config.yaml`.
     """
 
+    resume_plan: ResumePlan | None = None  # fit: the checkpoint this process found for --ckpt_path last/auto_resume
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data knows its classes once it has listed the folders: nobody types the number of classes.
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
@@ -84,7 +87,8 @@ class ImgclsCLI(LightningCLI):
         if subcommand == "fit":
             dirs = [c.init_args.dirpath for c in _checkpoint_callbacks(config) if c.init_args.dirpath]
             ckpt_dir = Path(dirs[0]) if dirs else _run_dir(config) / "checkpoints"
-            config.ckpt_path = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)
+            self.resume_plan = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)  # read-only
+            config.ckpt_path = self.resume_plan.path
         try:
             super()._parse_ckpt_path()
         except pickle.UnpicklingError as err:  # LightningCLI loads it with weights_only=True
@@ -130,6 +134,7 @@ class ImgclsCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         trainer = super().instantiate_trainer(**kwargs)
+        trainer.resume_plan = self.resume_plan  # followed once the ranks agree (Trainer._run)
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())  # predictions.csv in the run directory
         return trainer
