@@ -35,7 +35,7 @@ from datamodules.presets import (
     check_fast_decode,
     float_transform,
 )
-from datamodules.validation import bad_images_message, find_bad_images
+from datamodules.validation import ScanCache, bad_images_message, find_bad_images
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,9 @@ class ImageFolderDataModule(L.LightningDataModule):
             in 255 on average. Validation, test and prediction images are always decoded exactly.
         bad_images: what to do with files that cannot be decoded, found by a scan at setup: ``raise`` (list them
             all and stop before training) or ``skip`` (log them and train on the rest).
+        scan_cache: keep that scan's verdicts, keyed by path, size and mtime, in ``.imgcls-scan-cache-*.npz`` beside
+            the images (in ``~/.cache/imgcls/scan`` when their folder is read-only): a later start decodes only the
+            files added or changed since. false decodes every image at every start.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         augment_on_device: bool = False,
         fast_decode: bool = False,
         bad_images: Literal["raise", "skip"] = "raise",
+        scan_cache: bool = True,
     ) -> None:
         super().__init__()
         _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images)
@@ -177,6 +181,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self._device_transforms: dict[bool, object] = {}  # train? -> uint8 preset, for augment_on_device
         self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
         self.bad_images = bad_images
+        self.scan_cache = scan_cache
         # Class names are read now (a directory listing, cheap) so that the CLI can link them into the model.
         self.class_names: list[str] | None = self._read_class_names() if self.root is not None else None
         self.train_set = self.val_set = self.test_set = self.predict_set = None
@@ -225,31 +230,34 @@ class ImageFolderDataModule(L.LightningDataModule):
             paths = list_images(self.predict_dir)
             if not paths:
                 raise FileNotFoundError(f"data.predict_dir={self.predict_dir} holds no images")
-            (paths,) = self._drop_bad(paths)
+            (paths,) = self._drop_bad(paths, folder=self.predict_dir, scan="predict")
             self.predict_set = PredictImages(paths, eval_tf, read)
             return
         if self.root is None:
             raise ValueError(f"data.root is required for {stage}; pass --data.root FOLDER")
         if stage in ("fit", "validate") and self.train_set is None:  # built once: `fit` validates again at its end
             train, val = self._train_val_samples()
-            train, val = self._drop_bad(train, val)  # one scan, one message for both splits
+            train, val = self._drop_bad(train, val, folder=self.root, scan="train-val")  # one scan, one message
             self.train_set = ImageFiles(train, train_tf, train_read)
             self.val_set = ImageFiles(val, eval_tf, read)
         if stage == "test":
             test_dir = self.root / "test"
             if not test_dir.is_dir():
                 raise FileNotFoundError(f"{test_dir} does not exist; `imgcls test` needs a test/ split")
-            (test,) = self._drop_bad(scan_split(test_dir, self.class_names))
+            (test,) = self._drop_bad(scan_split(test_dir, self.class_names), folder=self.root, scan="test")
             self.test_set = ImageFiles(test, eval_tf, read)
 
-    def _drop_bad(self, *splits: list) -> list[list]:
-        """Scan the samples of `splits` (paths or (path, target) pairs) once, on rank 0; raise on bad files, listing
-        every split's, or drop them. Returns the splits, filtered."""
+    def _drop_bad(self, *splits: list, folder: Path, scan: str) -> list[list]:
+        """Scan the samples of `splits` (paths or (path, target) pairs, below `folder`) once, on rank 0; raise on bad
+        files, listing every split's, or drop them. Returns the splits, filtered. `scan` names the cache's file."""
         paths = [s[0] if isinstance(s, tuple) else s for split in splits for s in split]
         trainer = self.trainer
         bad = None
         if trainer is None or trainer.is_global_zero:
-            bad = find_bad_images(paths, progress=len(paths) >= 5000)
+            cache = ScanCache(folder, scan) if self.scan_cache else None
+            bad = find_bad_images(paths, progress=True, cache=cache)
+            if cache is not None:
+                rank_zero_info(cache.summary())
         if trainer is not None and trainer.world_size > 1:
             bad = trainer.strategy.broadcast(bad, src=0)  # one scan per run; every rank decides alike
         if not bad:
