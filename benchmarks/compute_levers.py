@@ -82,7 +82,7 @@ def measure(levers: dict[str, dict], size: int, batch: int, steps: int, reps: in
 def main(quick: bool = False) -> str:
     arch = "resnet18" if quick else "resnet50"
     # (size, batch, steps per turn, turns): one step per turn, so load from other processes hits every lever alike.
-    settings = [(32, 4, 1, 1), (64, 4, 1, 1)] if quick else [(64, 16, 1, 9), (224, 8, 1, 6)]
+    settings = [(16, 2, 1, 1), (32, 2, 1, 1)] if quick else [(64, 16, 1, 9), (224, 8, 1, 6)]
     # Compiling a ResNet-50 training step takes a minute or more per graph on 2 CPU cores: the quick mode does not.
     compile_sizes = () if quick else tuple(size for size, *_ in settings)
     levers = {k: v for k, v in LEVERS.items() if not (quick and v.get("compile"))}

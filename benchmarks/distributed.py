@@ -227,8 +227,8 @@ def main(quick: bool = False) -> str:
     """Markdown: bytes per step on ResNet50 for each compression, and step times with 1 and 2 processes."""
     bytes_job = dict(arch="resnet50", head_hidden=1024, classes=10, batch=2, size=32, warmup=3, steps=1, count=True,
                      compressions=COMPRESSIONS)
-    time_job = dict(arch="resnet18", head_hidden=0, classes=10, batch=16, size=32 if quick else 64,
-                    warmup=3, steps=3 if quick else 10, count=False, compressions=COMPRESSIONS)
+    time_job = dict(arch="resnet18", head_hidden=0, classes=10, batch=4 if quick else 16, size=16 if quick else 64,
+                    warmup=1 if quick else 3, steps=1 if quick else 10, count=False, compressions=COMPRESSIONS)
     counted, one = run_jobs(1, [bytes_job, time_job])
     (two,) = run_jobs(2, [time_job])
     base = counted["none"]["bytes"]

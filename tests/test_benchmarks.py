@@ -47,7 +47,7 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     levers = tables["Compute levers"]
     assert [r[0] for r in levers[1:]] == ["baseline: fp32, NCHW, eager, for-loop SGD", "channels_last",
                                           "bf16 autocast", "foreach SGD", "fused SGD"]
-    assert levers[0][1:] == ["32 px img/s (batch 4)", "32 px speed-up", "64 px img/s (batch 4)", "64 px speed-up"]
+    assert levers[0][1:] == ["16 px img/s (batch 2)", "16 px speed-up", "32 px img/s (batch 2)", "32 px speed-up"]
     assert _num(levers[1][2]) == 1.0
 
     tta = tables["Time to accuracy"]
