@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_info
@@ -40,24 +42,79 @@ from datamodules.validation import ScanCache, bad_images_message, find_bad_image
 log = logging.getLogger(__name__)
 
 
+class _ArraySequence(Sequence):
+    """A read-only sequence over numpy arrays: slices give lists, and it equals any sequence of the same items."""
+
+    def _item(self, index: int):
+        raise NotImplementedError
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(len(self)))]
+        return self._item(range(len(self))[index])  # negative indices, numpy ints, IndexError past the end
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None
+
+
+class PathArray(_ArraySequence):
+    """Paths held as one uint8 array of their encoded bytes and an int64 array of offsets: two objects however many
+    paths, so that loader workers reading them copy nothing. A list of str is copied into every forked worker as it
+    is read, since reading writes each object's reference count (pytorch/pytorch#13246)."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        encoded = [os.fsencode(p) for p in paths]
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)  # path i is data[offsets[i]:offsets[i + 1]]
+        np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=self.offsets[1:])
+        self.data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def _item(self, index: int) -> str:
+        return os.fsdecode(self.data[self.offsets[index]:self.offsets[index + 1]].tobytes())
+
+
+class Samples(_ArraySequence):
+    """(path, class index) pairs, as torchvision's ImageFolder.samples, read from a PathArray and an int64 array."""
+
+    def __init__(self, paths: PathArray, targets: np.ndarray) -> None:
+        self.paths, self.targets = paths, targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def _item(self, index: int) -> tuple[str, int]:
+        return self.paths[index], int(self.targets[index])
+
+
 class ImageFiles(Dataset):
-    """(image, class index) pairs from a list of (path, class index).
+    """(image, class index) pairs from (path, class index) pairs, stored in numpy arrays (`paths`, `targets`).
 
     `read` decodes a path (`read_image`), or only reads it (`read_encoded`, for ``augment_on_device``); `transform`
     None leaves its result as it is.
     """
 
-    def __init__(self, samples: list[tuple[str, int]], transform, read=read_image) -> None:
-        self.samples = samples
+    def __init__(self, samples: Iterable[tuple[str, int]], transform, read=read_image) -> None:
+        samples = list(samples)
+        self.paths = PathArray(p for p, _ in samples)
+        self.targets = np.fromiter((t for _, t in samples), np.int64, len(samples))
         self.transform = transform
         self.read = read
 
+    @property
+    def samples(self) -> Samples:
+        return Samples(self.paths, self.targets)
+
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.targets)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, target = self.samples[index]
-        return _load(self.read, self.transform, path), target
+        return _load(self.read, self.transform, self.paths[index]), int(self.targets[index])
 
 
 class PredictImages(ImageFiles):
@@ -65,7 +122,6 @@ class PredictImages(ImageFiles):
 
     def __init__(self, paths: list[str], transform, read=read_image) -> None:
         super().__init__([(p, i) for i, p in enumerate(paths)], transform, read)
-        self.paths = paths
 
 
 class UnreadableImageError(ValueError):

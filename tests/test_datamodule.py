@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import types
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from PIL import Image
 
 from datamodules import ImageFolderDataModule
 from datamodules.demo import MANIFEST, build_demo_data
+from datamodules.image_folder import ImageFiles, PredictImages
 from datamodules.images import load_rgb
 from datamodules.presets import (
     IMAGENET_MEAN,
@@ -129,6 +132,41 @@ def test_train_loader_batches(digits_root):
     x, _ = dm.on_after_batch_transfer((raw, y), 0)  # what the model gets, after the copy to the device
     assert x.dtype == torch.float32 and torch.allclose(x, raw.float() / 255, rtol=0, atol=1e-6)
     assert len(dm.val_set) == 180 and len(dm.train_set) == 1437
+
+
+def _large_python_containers(root: object, size: int) -> list[str]:
+    """Lists, tuples, dicts and sets of `size` items or more reachable from `root`, and object arrays: per-sample
+    Python objects, which every forked loader worker copies as it reads them (refcounts, pytorch/pytorch#13246)."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, types.FunctionType | types.ModuleType | type):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            found += ["object array"] if obj.dtype == object else []
+            continue
+        if isinstance(obj, list | tuple | dict | set) and len(obj) >= size:
+            found.append(f"{type(obj).__name__} of {len(obj)}")
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+def test_samples_are_stored_in_numpy_arrays_not_python_objects():
+    paths = [f"/data/train/c{i % 7}/{i:05d}.jpg" for i in range(2000)]
+    paths[5], paths[-1] = "/data/train/c5/été_日本.jpg", "/data/train/c6/naïve \udcff.png"  # undecodable byte too
+    samples = [(p, i % 7) for i, p in enumerate(paths)]
+    dataset = ImageFiles(samples, transform=None, read=lambda path: path)
+    assert _large_python_containers(dataset, 100) == []
+    assert dataset.paths.data.dtype == np.uint8 and dataset.targets.dtype == np.int64
+    for i in (0, 5, 1234, len(paths) - 1, -1):
+        assert dataset[i] == samples[i] and dataset.paths[i] == paths[i] and dataset.samples[i] == samples[i]
+    assert len(dataset) == 2000 and dataset.samples == samples and dataset.samples[-2:] == samples[-2:]
+    with pytest.raises(IndexError):
+        dataset[2000]
+    predict = PredictImages(paths, transform=None, read=lambda path: path)
+    assert _large_python_containers(predict, 100) == []
+    assert predict[-1] == (paths[-1], 1999) and predict.paths[5] == paths[5] and list(predict.paths) == paths
 
 
 def test_predict_dir_nested(tmp_path):
