@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import interleaved, lap_times, section, standalone, table
-from lightning_modules.network import build_resnet
+from lightning_modules.network import build_network
 
 BASELINE = "baseline: fp32, NCHW, eager, for-loop SGD"
 LEVERS: dict[str, dict] = {
@@ -37,7 +37,7 @@ def train_step(*, arch: str = "resnet50", size: int = 224, batch: int = 8, chann
                head_hidden: int = 1024, device: str = "cpu") -> Callable[[], None]:
     """One SGD (or AdamW) step of the project's network on a fixed synthetic batch (B, 3, size, size)."""
     torch.manual_seed(0)
-    net = build_resnet(arch, None, head_hidden, 0.2, 10).to(device)
+    net = build_network(arch, None, head_hidden, 0.2, 10).to(device)
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     if channels_last:

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import section, standalone
-from lightning_modules.network import build_resnet
+from lightning_modules.network import build_network
 from training.strategy import COMPRESSIONS, build_comm_hook
 
 POWERSGD_RANK = 4
@@ -103,7 +103,7 @@ def _init_group(rank: int, world: int, port: int) -> None:
 def _measure(job: dict, compression: str) -> dict:
     """Median step time (and with `count`, bytes all-reduced per step) of one freshly built DDP model."""
     torch.manual_seed(0)
-    net = build_resnet(job["arch"], None, job["head_hidden"], 0.0, job["classes"])
+    net = build_network(job["arch"], None, job["head_hidden"], 0.0, job["classes"])
     ddp, _ = wrap_ddp(net, compression, count=job["count"])
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     for _ in range(job["warmup"]):  # bucket rebuild after step 1, PowerSGD from step 3

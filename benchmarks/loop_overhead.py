@@ -28,7 +28,7 @@ from benchmarks.common import (
     verdict,
 )
 from lightning_modules import ImageClassifier
-from lightning_modules.network import build_resnet
+from lightning_modules.network import build_network
 
 
 class _Laps(L.Callback):
@@ -63,7 +63,7 @@ def lightning_laps(model: ImageClassifier, loader: DataLoader) -> list[float]:
 def plain_loop(arch: str, batch: int):
     """The same recipe in plain PyTorch; returns a function that runs one epoch over a loader and gives its laps."""
     torch.manual_seed(0)
-    net = build_resnet(arch, None, 1024, 0.2, 10).to(memory_format=torch.channels_last)
+    net = build_network(arch, None, 1024, 0.2, 10).to(memory_format=torch.channels_last)
     decay = [p for p in net.parameters() if p.ndim > 1]
     no_decay = [p for p in net.parameters() if p.ndim <= 1]
     lr = 0.1 * batch / 256

@@ -1,4 +1,5 @@
-"""The LightningModule: fine-tunes a torchvision ResNet with a two-layer head, and reports torchmetrics per split."""
+"""The LightningModule: fine-tunes a torchvision classification model with a two-layer head, and reports torchmetrics
+per split."""
 
 from __future__ import annotations
 
@@ -14,19 +15,21 @@ from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from datamodules import hardware
-from lightning_modules.network import HEAD_PREFIX, build_resnet
+from lightning_modules.network import build_network, head_prefix
 
 Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
 
 
 class ImageClassifier(L.LightningModule):
-    """ResNet image classifier.
+    """Image classifier: a torchvision backbone (a ResNet50 by default) and the Keras fine-tuning head.
 
     Args:
         num_classes: number of classes; linked from the DataModule by the CLI.
         class_names: names of the classes, index order; linked from the DataModule and saved in checkpoints.
-        arch: torchvision ResNet, resnet18/34/50/101/152 (or wide_resnet50_2/101_2).
+        arch: any torchvision classification model: resnet18 ... resnet152, wide_resnet50_2, convnext_tiny,
+            efficientnet_b0, mobilenet_v3_large, regnet_y_8gf, vit_b_16, swin_t, ... (the head replaces its last
+            Linear layer).
         weights: torchvision weights name (IMAGENET1K_V2, DEFAULT), a state-dict or checkpoint file, or null.
         head_hidden: width of the hidden head layer (1024 in the Keras/Horovod recipe this template reproduces:
             global average pool -> 1024 -> classes); 0 gives a single linear layer.
@@ -83,7 +86,7 @@ class ImageClassifier(L.LightningModule):
                 raise ValueError(f"model.{key}={value!r} is unknown; choose true, false or auto")
         self.save_hyperparameters()
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
-        self.net = build_resnet(arch, weights, head_hidden, dropout, num_classes)
+        self.net = build_network(arch, weights, head_hidden, dropout, num_classes)
         # The levers set to `auto` are chosen in configure_model, once the Trainer knows the device.
         self.levers: dict[str, bool | str] = {}
         self._channels_last = False
@@ -181,7 +184,7 @@ class ImageClassifier(L.LightningModule):
         super().train(mode)
         if mode and self.backbone_frozen():
             for name, module in self.net.named_modules():
-                if isinstance(module, nn.modules.batchnorm._BatchNorm) and not name.startswith(HEAD_PREFIX):
+                if isinstance(module, nn.modules.batchnorm._BatchNorm) and not name.startswith(head_prefix(self.net)):
                     module.eval()
         return self
 
@@ -205,7 +208,7 @@ class ImageClassifier(L.LightningModule):
         head_lr = hp.lr * self.lr_scale()
         groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
         for name, p in self.net.named_parameters():
-            groups.setdefault((name.startswith(HEAD_PREFIX), p.ndim > 1), []).append(p)
+            groups.setdefault((name.startswith(head_prefix(self.net)), p.ndim > 1), []).append(p)
         return [
             {
                 "params": params,

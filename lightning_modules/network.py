@@ -1,65 +1,93 @@
-"""Plain-torch network builder: a torchvision ResNet with the classic Keras fine-tuning head (pool -> 1024 -> classes)."""
+"""Plain-torch network builder: any torchvision classification model, its classifier replaced by the classic Keras
+fine-tuning head (the backbone's pooled features -> 1024 -> classes)."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import pickle
+from functools import cache
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torchvision
 from torch import nn
 
-Arch = Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "wide_resnet101_2"]
-ARCHS: tuple[str, ...] = Arch.__args__
-HEAD_PREFIX = "fc."  # parameters of the head; everything else is the backbone
+
+@cache
+def archs() -> tuple[str, ...]:
+    """Every torchvision classification model name (resnet50, convnext_tiny, efficientnet_b0, vit_b_16, ...)."""
+    return tuple(torchvision.models.list_models(module=torchvision.models))
 
 
-def build_resnet(
+def build_network(
     arch: str = "resnet50",
     weights: str | None = None,
     head_hidden: int = 1024,
     dropout: float = 0.2,
     num_classes: int = 1000,
 ) -> nn.Module:
-    """A torchvision ResNet whose `fc` is the classic Keras fine-tuning head.
+    """A torchvision classification model whose last Linear layer is the classic Keras fine-tuning head.
 
-    The backbone ends in torchvision's global average pool, so the head sees (B, features):
-    Linear(features -> head_hidden) -> ReLU -> Dropout -> Linear(-> num_classes); head_hidden=0 gives one Linear.
-    `weights` (a torchvision weights name or a file) initialises the backbone; see `load_backbone_weights`.
+    The head takes the features the model's own classifier took, (B, features), after its global pool (a ResNet's
+    avgpool, a ConvNeXt's pool + LayerNorm, a ViT's class token): Linear(features -> head_hidden) -> ReLU ->
+    Dropout -> Linear(-> num_classes); head_hidden=0 gives one Linear. Layers of the classifier before its last
+    Linear (MobileNetV3's 1280-wide layer, VGG's fc6/fc7) stay, as part of the backbone. The width is read from
+    that Linear, so any model works without a table of widths. The head's module name is `net.head_name` (`fc` for
+    a ResNet, `classifier.1` for an EfficientNet). `weights` (a torchvision weights name or a file) initialises the
+    backbone; see `load_backbone_weights`.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"model.arch={arch!r} is unknown; choose one of {', '.join(ARCHS)}")
+    if arch not in archs():
+        close = difflib.get_close_matches(arch, archs(), n=4, cutoff=0.5)
+        raise ValueError(f"model.arch={arch!r} is not a torchvision classification model"
+                         + (f"; did you mean {', '.join(close)}?" if close else "")
+                         + f" ({len(archs())} names: torchvision.models.list_models(module=torchvision.models))")
     if head_hidden < 0:
         raise ValueError(f"model.head_hidden={head_hidden} must be >= 0 (0 means a single linear layer)")
-    net = getattr(torchvision.models, arch)(weights=None)
+    net = torchvision.models.get_model(arch, weights=None)
+    if getattr(net, "aux_logits", False):  # Inception v3, GoogLeNet: their auxiliary classifiers would be a 2nd output
+        net = torchvision.models.get_model(arch, weights=None, aux_logits=False, init_weights=False)
+    name = classifier_name(net, arch)
     if weights is not None:
-        load_backbone_weights(net, arch, weights)
-    features = net.fc.in_features  # 512 for resnet18/34, 2048 for resnet50 and deeper
+        load_backbone_weights(net, arch, weights, head_prefix=f"{name}.")
+    features = net.get_submodule(name).in_features  # 512 for resnet18, 2048 for resnet50, 768 for convnext_tiny
     if head_hidden:
-        net.fc = nn.Sequential(
-            nn.Linear(features, head_hidden), nn.ReLU(inplace=True), nn.Dropout(dropout), nn.Linear(head_hidden, num_classes)
-        )
+        head = nn.Sequential(nn.Linear(features, head_hidden), nn.ReLU(inplace=True), nn.Dropout(dropout),
+                             nn.Linear(head_hidden, num_classes))
     else:
-        net.fc = nn.Linear(features, num_classes)
+        head = nn.Linear(features, num_classes)
+    net.set_submodule(name, head)
+    net.head_name = name
     return net
 
 
-def load_backbone_weights(net: nn.Module, arch: str, weights: str) -> None:
-    """Load backbone weights into a fresh torchvision ResNet (whose `fc` is still the 1000-class layer).
+def classifier_name(net: nn.Module, arch: str) -> str:
+    """The qualified name of `net`'s last Linear layer: its classifier (`fc`, `classifier.1`, `heads.head`)."""
+    linears = [name for name, module in net.named_modules() if isinstance(module, nn.Linear)]
+    if not linears:  # SqueezeNet classifies with a convolution
+        raise ValueError(f"model.arch={arch} has no Linear classifier to put the head in place of; choose another")
+    return linears[-1]
+
+
+def head_prefix(net: nn.Module) -> str:
+    """The state-dict prefix of the head built by `build_network`: everything else is the backbone."""
+    return f"{net.head_name}."
+
+
+def load_backbone_weights(net: nn.Module, arch: str, weights: str, head_prefix: str) -> None:
+    """Load backbone weights into a fresh torchvision model (whose classifier is still its 1000-class layer).
 
     `weights` is a torchvision weights name (`IMAGENET1K_V2`, `DEFAULT`), a torchvision state-dict file, or a
-    checkpoint of this project (its `net.` parameters). The classifier of the source is never loaded: the head is
-    trained for the new classes.
+    checkpoint of this project (its `net.` parameters). The source's classifier (`head_prefix`) is never loaded:
+    the head is trained for the new classes.
     """
     if os.path.sep in weights or weights.endswith((".pth", ".pt", ".ckpt", ".bin")) or Path(weights).exists():
         state = _state_dict_from_file(Path(weights).expanduser())
     else:
         state = _state_dict_from_torchvision(arch, weights)
-    backbone = {k: v for k, v in state.items() if not k.startswith(HEAD_PREFIX)}
+    backbone = {k: v for k, v in state.items() if not k.startswith(head_prefix)}
     own = net.state_dict()
-    missing = [k for k in own if k not in backbone and not k.startswith(HEAD_PREFIX)]
+    missing = [k for k in own if k not in backbone and not k.startswith(head_prefix)]
     unexpected = [k for k in backbone if k not in own]
     wrong_shape = [k for k in backbone if k in own and backbone[k].shape != own[k].shape]
     if missing or unexpected or wrong_shape:
@@ -68,7 +96,7 @@ def load_backbone_weights(net: nn.Module, arch: str, weights: str) -> None:
             f"{len(wrong_shape)} wrongly shaped tensors (e.g. {(missing + unexpected + wrong_shape)[:3]}); "
             f"is it a {arch} state dict?"
         )
-    net.load_state_dict(backbone, strict=False)  # strict=False: only the head (fc.*) is left as initialised
+    net.load_state_dict(backbone, strict=False)  # strict=False: only the classifier is left as initialised
 
 
 def _state_dict_from_file(path: Path, key: str = "model.weights") -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torchvision
 import yaml
 
 import training.checkpointing as checkpointing
-from lightning_modules.network import build_resnet
+from lightning_modules.network import build_network
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
 from training.callbacks import redact_secrets
 from training.checkpointing import (
@@ -269,7 +269,7 @@ def test_crafted_pickle_is_refused_as_weights_and_as_checkpoint(tmp_path):
     marker = tmp_path / "pwned"
     evil = _evil_checkpoint(tmp_path / "evil.ckpt", marker)
     with pytest.raises(ValueError, match="refusing it"):
-        build_resnet("resnet18", str(evil), 0, 0.0, 2)
+        build_network("resnet18", str(evil), 0, 0.0, 2)
     with pytest.raises(UnsafeCheckpointError, match=f"refusing to load {evil}"):
         AtomicCheckpointIO().load_checkpoint(evil)
     assert not marker.exists()
@@ -284,11 +284,11 @@ def test_pickle_planted_in_the_torch_hub_cache_is_refused(tmp_path, monkeypatch)
     marker = tmp_path / "pwned"
     torch.save({"conv1.weight": _Payload(marker)}, cached)
     with pytest.raises(ValueError, match=f"the cached file={cached} holds pickled objects beyond tensors"):
-        build_resnet("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
+        build_network("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
     assert not marker.exists()
     clean = torchvision.models.resnet18().state_dict()
     torch.save(clean, cached)  # a real weights file there is what offline machines use: it loads
-    net = build_resnet("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
+    net = build_network("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
     assert torch.equal(net.conv1.weight, clean["conv1.weight"])
 
 

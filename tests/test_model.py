@@ -13,13 +13,13 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from datamodules import ImageFolderDataModule
-from lightning_modules import ImageClassifier, build_resnet
+from lightning_modules import ImageClassifier, build_network
 from tests.helpers import make_image_folder
 
 
 @pytest.mark.parametrize(("arch", "features"), [("resnet18", 512), ("resnet50", 2048)])
 def test_head_is_pool_hidden_layer_classes(arch, features):
-    net = build_resnet(arch, head_hidden=1024, num_classes=7)
+    net = build_network(arch, head_hidden=1024, num_classes=7)
     linears = [m for m in net.fc.modules() if isinstance(m, nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(features, 1024), (1024, 7)]
     assert any(isinstance(m, nn.ReLU) for m in net.fc.modules())
@@ -27,8 +27,45 @@ def test_head_is_pool_hidden_layer_classes(arch, features):
     assert isinstance(net.avgpool, nn.AdaptiveAvgPool2d)  # global average pool before the head
 
 
+@pytest.mark.parametrize(("arch", "head", "features"), [
+    ("mobilenet_v3_small", "classifier.3", 1024),  # its classifier's 1024-wide layer stays, as backbone
+    ("efficientnet_b0", "classifier.1", 1280),
+    ("convnext_tiny", "classifier.2", 768),  # after its LayerNorm and Flatten
+    ("regnet_x_400mf", "fc", 400),
+])
+def test_any_torchvision_classifier_gets_the_head_in_place_of_its_last_linear(arch, head, features):
+    net = build_network(arch, head_hidden=32, num_classes=5)
+    assert net.head_name == head
+    linears = [m for m in net.get_submodule(head).modules() if isinstance(m, nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(features, 32), (32, 5)]
+    out = net.eval()(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 5) and torch.isfinite(out).all()
+    model = ImageClassifier(num_classes=5, arch=arch, head_hidden=32, backbone_lr_ratio=0.1, lr=0.256,
+                            lr_scaling="none")
+    head_params = {id(p) for p in model.net.get_submodule(head).parameters()}
+    for group in model.param_groups():  # the head's lr, and the backbone's at 0.1 of it: nothing else
+        assert group["lr"] == pytest.approx(0.256 if id(group["params"][0]) in head_params else 0.0256)
+        assert {id(p) in head_params for p in group["params"]} == {id(group["params"][0]) in head_params}
+
+
+def test_backbone_weights_of_another_model_family_load_and_its_classifier_does_not(tmp_path):
+    source = torchvision.models.efficientnet_b0(weights=None)
+    path = tmp_path / "efficientnet_b0.pth"
+    torch.save(source.state_dict(), path)
+    net = build_network("efficientnet_b0", weights=str(path), head_hidden=0, num_classes=3)
+    assert torch.equal(net.features[0][0].weight, source.features[0][0].weight)
+    assert net.classifier[1].out_features == 3
+
+
+def test_unknown_arch_suggests_close_names_and_a_model_without_linear_classifier_is_refused():
+    with pytest.raises(ValueError, match="did you mean convnext_tiny"):
+        build_network("convnext_tiniest")
+    with pytest.raises(ValueError, match="squeezenet1_0 has no Linear classifier"):
+        build_network("squeezenet1_0")
+
+
 def test_head_hidden_zero_is_a_single_linear_layer():
-    net = build_resnet("resnet18", head_hidden=0, num_classes=3)
+    net = build_network("resnet18", head_hidden=0, num_classes=3)
     assert isinstance(net.fc, nn.Linear) and (net.fc.in_features, net.fc.out_features) == (512, 3)
 
 
@@ -45,7 +82,7 @@ def test_weights_from_torchvision_state_dict_file(tmp_path):
     source = torchvision.models.resnet18(weights=None)
     path = tmp_path / "resnet18.pth"
     torch.save(source.state_dict(), path)
-    net = build_resnet("resnet18", weights=str(path), num_classes=4)
+    net = build_network("resnet18", weights=str(path), num_classes=4)
     assert torch.equal(net.conv1.weight, source.conv1.weight)
     assert torch.equal(net.layer4[1].bn2.running_var, source.layer4[1].bn2.running_var)
     assert net.fc[-1].out_features == 4  # the 1000-class classifier is not taken
@@ -55,7 +92,7 @@ def test_weights_from_a_project_checkpoint(tmp_path):
     trained = ImageClassifier(num_classes=3, arch="resnet18")
     path = tmp_path / "run.ckpt"
     torch.save({"state_dict": trained.state_dict(), "hyper_parameters": dict(trained.hparams)}, path)
-    net = build_resnet("resnet18", weights=str(path), num_classes=6)
+    net = build_network("resnet18", weights=str(path), num_classes=6)
     assert torch.equal(net.layer1[0].conv1.weight, trained.net.layer1[0].conv1.weight)
 
 
@@ -63,12 +100,12 @@ def test_weights_for_another_arch_are_refused(tmp_path):
     path = tmp_path / "r18.pth"
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
     with pytest.raises(ValueError, match="does not fit resnet50"):
-        build_resnet("resnet50", weights=str(path))
+        build_network("resnet50", weights=str(path))
 
 
 def test_missing_weights_file_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pth does not exist"):
-        build_resnet("resnet18", weights=str(tmp_path / "nope.pth"))
+        build_network("resnet18", weights=str(tmp_path / "nope.pth"))
 
 
 def test_weights_name_loads_from_the_torch_hub_cache(tmp_path, monkeypatch):
@@ -77,7 +114,7 @@ def test_weights_name_loads_from_the_torch_hub_cache(tmp_path, monkeypatch):
     cache = tmp_path / "hub" / "checkpoints"
     cache.mkdir(parents=True)
     torch.save(source.state_dict(), cache / "resnet18-f37072fd.pth")  # IMAGENET1K_V1's file name
-    net = build_resnet("resnet18", weights="IMAGENET1K_V1")
+    net = build_network("resnet18", weights="IMAGENET1K_V1")
     assert torch.equal(net.conv1.weight, source.conv1.weight)
 
 
@@ -90,13 +127,13 @@ def test_weights_name_without_network_says_where_to_put_the_file(tmp_path, monke
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
     expected = str(tmp_path / "hub" / "checkpoints" / "resnet50-11ad3fa6.pth")
     with pytest.raises(RuntimeError, match="Network is unreachable") as err:
-        build_resnet("resnet50", weights="IMAGENET1K_V2")
+        build_network("resnet50", weights="IMAGENET1K_V2")
     assert expected in str(err.value)
 
 
 def test_unknown_weights_name_lists_the_choices():
     with pytest.raises(ValueError, match="IMAGENET1K_V1"):
-        build_resnet("resnet18", weights="IMAGENET9K")
+        build_network("resnet18", weights="IMAGENET9K")
 
 
 def test_param_groups_skip_weight_decay_on_biases_and_norms():
@@ -215,7 +252,7 @@ def test_predict_returns_a_result_for_every_image(tmp_path):
     [
         ({"lr": -0.1}, "model.lr=-0.1 must be positive"),
         ({"optimizer": "adam"}, "model.optimizer='adam' is unknown"),
-        ({"arch": "vgg16"}, "model.arch='vgg16' is unknown"),
+        ({"arch": "resnet51"}, "model.arch='resnet51' is not a torchvision classification model; did you mean"),
         ({"class_names": ["a"]}, "model.class_names has 1 names but model.num_classes=3"),
     ],
 )
