@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from torchvision.transforms import v2
 
 from datamodules import hardware
 from lightning_modules.network import build_network, head_prefix
@@ -42,6 +43,10 @@ class ImageClassifier(L.LightningModule):
         weight_decay: decoupled for AdamW, L2 for SGD; never applied to biases and normalisation weights.
         warmup_epochs: linear warm-up length (fractions allowed); cosine decay to zero follows.
         label_smoothing: cross-entropy label smoothing.
+        mixup_alpha: mixup of training batches (Beta(alpha, alpha) weights; 0.2 in torchvision's V2 recipe); 0 is off.
+        cutmix_alpha: CutMix of training batches (1.0 in torchvision's V2 recipe); 0 is off. With both on, each batch
+            gets one of the two, at even odds (v2.RandomChoice). They run on the device, on the normalised batch; the
+            loss takes the mixed soft targets, and train/acc scores the argmax of the mixed target.
         backbone_lr_ratio: backbone lr / head lr, e.g. 0.1 to fine-tune the pretrained layers gently.
         freeze_backbone_epochs: keep the backbone frozen (no updates, BatchNorm statistics fixed) this many epochs.
         batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
@@ -69,6 +74,8 @@ class ImageClassifier(L.LightningModule):
         weight_decay: float = 1e-4,
         warmup_epochs: float = 1.0,
         label_smoothing: float = 0.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
         backbone_lr_ratio: float = 1.0,
         freeze_backbone_epochs: int = 0,
         batch_size: int = 64,
@@ -78,7 +85,7 @@ class ImageClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
-                    label_smoothing, backbone_lr_ratio, freeze_backbone_epochs)
+                    label_smoothing, backbone_lr_ratio, freeze_backbone_epochs, mixup_alpha, cutmix_alpha)
         if optimizer_impl not in OptimizerImpl.__args__:
             raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose {', '.join(OptimizerImpl.__args__)}")
         for key, value in (("channels_last", channels_last), ("compile", compile)):
@@ -87,6 +94,7 @@ class ImageClassifier(L.LightningModule):
         self.save_hyperparameters()
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
         self.net = build_network(arch, weights, head_hidden, dropout, num_classes)
+        self.batch_mix = batch_mix(num_classes, mixup_alpha, cutmix_alpha)  # None when both are off
         # The levers set to `auto` are chosen in configure_model, once the Trainer knows the device.
         self.levers: dict[str, bool | str] = {}
         self._channels_last = False
@@ -126,9 +134,11 @@ class ImageClassifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.batch_mix is not None:
+            x, y = self.batch_mix(x, y)  # y: (B, num_classes) soft targets
         logits = self(x)
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
-        self.train_acc(logits, y)
+        self.train_acc(logits, y.argmax(dim=1) if y.ndim == 2 else y)
         self.log("train/loss", loss, prog_bar=True)
         # Per epoch, over every training image of every rank (torchmetrics syncs it once): one batch's accuracy is
         # too noisy to read, and the epoch value sits on the same axis as val/acc.
@@ -315,8 +325,24 @@ def _split_metrics(num_classes: int, prefix: str) -> MetricCollection:
     return MetricCollection(metrics, prefix=f"{prefix}/")
 
 
+def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> v2.Transform | None:
+    """(images (B, C, H, W), labels (B,)) -> (mixed images, soft labels (B, num_classes)): mixup, CutMix or either.
+
+    torchvision's v2.MixUp and v2.CutMix draw from torch's global generator, which the run seeds per batch
+    (ExactResume), so a resumed run mixes its batches exactly as the uninterrupted one.
+    """
+    mixes = []
+    if mixup_alpha > 0:
+        mixes.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
+    if cutmix_alpha > 0:
+        mixes.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
+    if not mixes:
+        return None
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
 def _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
-                label_smoothing, backbone_lr_ratio, freeze_backbone_epochs) -> None:
+                label_smoothing, backbone_lr_ratio, freeze_backbone_epochs, mixup_alpha, cutmix_alpha) -> None:
     """Reject bad config values up front, naming the key."""
     if num_classes is None or num_classes < 2:
         raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
@@ -329,7 +355,8 @@ def _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_deca
     if not lr > 0:
         raise ValueError(f"model.lr={lr} must be positive")
     for key, value in (("weight_decay", weight_decay), ("warmup_epochs", warmup_epochs),
-                       ("freeze_backbone_epochs", freeze_backbone_epochs)):
+                       ("freeze_backbone_epochs", freeze_backbone_epochs), ("mixup_alpha", mixup_alpha),
+                       ("cutmix_alpha", cutmix_alpha)):
         if value < 0:
             raise ValueError(f"model.{key}={value} must be >= 0")
     if not 0.0 <= label_smoothing < 1.0:

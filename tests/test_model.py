@@ -8,12 +8,15 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 import torchvision
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier, build_network
+from lightning_modules.classifier import batch_mix
 from tests.helpers import make_image_folder
 
 
@@ -269,3 +272,52 @@ def test_the_printed_learning_rate_is_the_scaled_peak_not_the_first_warm_up_step
         config = model.configure_optimizers()
     assert config["optimizer"].param_groups[-1]["lr"] == pytest.approx(0.004 / 10)  # step 0 of 10 warm-up steps
     assert "= 0.004 for the head (peak); 20 steps, 10 of warm-up" in caplog.text
+
+
+def _soft(y: torch.Tensor, classes: int) -> torch.Tensor:
+    return F.one_hot(y, classes).float()
+
+
+def test_mixup_mixes_the_images_and_the_labels_with_one_weight():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 1])
+    mixed, soft = batch_mix(3, mixup_alpha=0.2, cutmix_alpha=0.0)(x, y)
+    lam = soft[0, 0]  # sample 0 (class 0) is mixed with the batch rolled by one: sample 3 (class 1)
+    assert 0 < lam < 1
+    torch.testing.assert_close(mixed, lam * x + (1 - lam) * x.roll(1, 0))
+    torch.testing.assert_close(soft, lam * _soft(y, 3) + (1 - lam) * _soft(y.roll(1, 0), 3))
+
+
+def test_cutmix_pastes_one_box_and_weights_the_labels_by_its_area():
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 1])
+    mixed, soft = batch_mix(3, mixup_alpha=0.0, cutmix_alpha=1.0)(x, y)
+    pasted = (mixed == x.roll(1, 0)).all(dim=1)  # (B, H, W): pixels that came from the rolled batch
+    assert ((mixed == x).all(dim=1) | pasted).all()  # every pixel is one image's or the other's
+    area = pasted[0].float().mean()
+    assert 0 < area < 1 and (pasted == pasted[0]).all()  # one box, the same for the whole batch
+    torch.testing.assert_close(soft, (1 - area) * _soft(y, 3) + area * _soft(y.roll(1, 0), 3))
+
+
+def test_with_both_on_each_batch_gets_mixup_or_cutmix():
+    mix, x, y = batch_mix(3, mixup_alpha=0.2, cutmix_alpha=1.0), torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 1])
+    kinds = set()
+    for seed in range(20):
+        torch.manual_seed(seed)
+        mixed, _ = mix(x, y)
+        kinds.add("cutmix" if ((mixed == x).all(dim=1) | (mixed == x.roll(1, 0)).all(dim=1)).all() else "mixup")
+    assert kinds == {"mixup", "cutmix"}
+    assert batch_mix(3, 0.0, 0.0) is None
+
+
+def test_a_fit_with_mixup_and_cutmix_trains_on_mixed_batches():
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 2
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, mixup_alpha=0.2, cutmix_alpha=1.0,
+                            batch_size=4, channels_last=False)
+    seen = []
+    model.net.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    assert len(seen) == 2 and not any(torch.equal(s, x[:4]) or torch.equal(s, x[4:]) for s in seen)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
