@@ -31,12 +31,13 @@ KILL_POINTS = [
 LINE_MARGIN_S, EXIT_MARGIN_S = 3, 15  # seconds past the timeout for a hung peer: see the test
 
 
-def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: bool = False, mix: bool = False) -> Path:
+def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: bool = False, recipe: bool = False) -> Path:
     """The shipped quickstart config, shrunk: resnet18 at 32 px, 2 epochs of 4 steps, checkpoints every 2 steps.
 
     `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's
-    synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `mix`
-    turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat.
+    synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `recipe`
+    turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat, and an EMA of the
+    weights (Lightning's EMAWeightAveraging), whose average a resume must carry on.
     """
     cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
@@ -52,17 +53,18 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
             c["init_args"]["every_n_train_steps"] = 2
     cfg["trainer"]["callbacks"] = callbacks
     cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
-    if mix:
+    if recipe:
         cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0)
+        callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
     assert cfg["auto_resume"] is True  # shipped on
-    path = tmp_path / f"config{devices}{'_mix' if mix else ''}.yaml"
+    path = tmp_path / f"config{devices}{'_recipe' if recipe else ''}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
+def _weights(run: Path, key: str = "state_dict") -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")[key]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -146,9 +148,9 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
 def test_sigkill_of_a_ddp_job_at_any_point_resumes_to_identical_weights(tmp_path, data):
     """2-process DDP (gloo): every rank is killed at the same point, as when a node is lost; the same command
     resumes on both ranks. The kill points follow one another in one run folder: each resumed run is killed at the
-    next point, and the last resume runs to the end, with the weights of the run that was never killed. Mixup and
-    CutMix are on: each rank's draws must repeat after a resume."""
-    config = _config(tmp_path, data, devices=2, mix=True)
+    next point, and the last resume runs to the end, with the weights of the run that was never killed. Mixup,
+    CutMix and an EMA of the weights are on: each rank's draws must repeat after a resume, and the average go on."""
+    config = _config(tmp_path, data, devices=2, recipe=True)
     _fit(config, tmp_path / "reference")
     run = tmp_path / "killed"
     resumed = []
@@ -159,7 +161,9 @@ def test_sigkill_of_a_ddp_job_at_any_point_resumes_to_identical_weights(tmp_path
             resumed.append(_resumed_from(killed))
     resumed.append(_resumed_from(_fit(config, run)))
     assert resumed == [(run / "checkpoints" / expected, "auto_resume") for _, _, expected in KILL_POINTS]
-    diff = _max_diff(_weights(tmp_path / "reference"), _weights(run))
+    diff = _max_diff(_weights(tmp_path / "reference"), _weights(run))  # the EMA weights: state_dict
+    diff = max(diff, _max_diff(_weights(tmp_path / "reference", "current_model_state"),
+                               _weights(run, "current_model_state")))  # and the trained ones
     print(f"DDP x2, killed at {[(step, where) for step, where, _ in KILL_POINTS]}: max |w - w_ref| = {diff}")
     assert diff <= 1e-6
 

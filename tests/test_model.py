@@ -321,3 +321,41 @@ def test_a_fit_with_mixup_and_cutmix_trains_on_mixed_batches():
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     assert len(seen) == 2 and not any(torch.equal(s, x[:4]) or torch.equal(s, x[4:]) for s in seen)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+class _ValidationWeights(Callback):
+    """Listed after the EMA callback: sees the weights validation runs with, and the ones training left."""
+
+    def __init__(self, ema) -> None:
+        self.ema, self.seen = ema, []
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:  # the EMA callback has swapped the averaged weights in
+            swapped_out = self.ema._average_model.module.state_dict()  # swapped back at the end of validation
+            self.seen.append(({k: v.clone() for k, v in pl_module.state_dict().items()},
+                              {k: v.clone() for k, v in swapped_out.items()}))
+
+
+def test_ema_weights_are_validated_and_saved_the_trained_ones_kept(tmp_path):
+    """Lightning's EMAWeightAveraging in the callbacks: validation runs with the averaged weights, which differ
+    from the trained ones; a checkpoint holds the averaged weights as its state_dict and the trained ones beside."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 16, 16), torch.arange(16) % 2
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, batch_size=4, channels_last=False)
+    ema = EMAWeightAveraging(decay=0.5)
+    recorder = _ValidationWeights(ema)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[ema, recorder, ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    trainer.fit(model, loader, loader)
+    (validated, trained), = recorder.seen
+    key = "net.fc.3.weight"
+    averaged = {k.removeprefix("module."): v for k, v in ema._average_model.state_dict().items()}
+    assert torch.equal(validated[key], averaged[key])  # what validation ran with is the average...
+    assert not torch.equal(validated[key], trained[key])  # ...not the trained weights
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert torch.equal(saved["state_dict"][key], averaged[key])
+    assert torch.equal(saved["current_model_state"][key], trained[key])

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
@@ -49,6 +49,9 @@ EXTRA_COMMANDS = {
 # helper under torch 2.14, and torchdata's StatefulDataLoader calling torch's deprecated set_vital.
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+# Lightning's WeightAveraging (EMA) warns about any model with configure_model, for sharded layers; ours only picks the
+# speed levers (channels_last, compile), so the averaged copy is the whole model.
+warnings.filterwarnings("ignore", message="You're using the WeightAveraging callback with a model that overrides")
 
 
 # Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
@@ -151,6 +154,10 @@ class ImgclsCLI(LightningCLI):
         best, score, monitor = ckpt.best_model_path, ckpt.best_model_score, ckpt.monitor
         lasts = [c.last_model_path for c in trainer.checkpoint_callbacks
                  if isinstance(c, ModelCheckpoint) and c.last_model_path and Path(c.last_model_path).is_file()]
+        averaging = next((c for c in trainer.callbacks if isinstance(c, WeightAveraging)), None)
+        if averaging is not None:
+            rank_zero_info(f"{type(averaging).__name__}: validation ran with the averaged weights, and checkpoints hold "
+                           "them as their state_dict (the trained weights as current_model_state)")
         if trainer.strategy.broadcast(bool(best) and Path(best).is_file()):
             trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
         run_dir = Path(trainer.default_root_dir)
