@@ -15,7 +15,37 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 Preset = Literal["imagenet", "keras", "none"]
-PRESETS: tuple[str, ...] = ("imagenet", "keras", "none")
+PRESETS: tuple[str, ...] = Preset.__args__
+AutoAugment = Literal["none", "trivialaugment", "randaugment", "autoaugment", "augmix"]
+AUTO_AUGMENTS: tuple[str, ...] = AutoAugment.__args__
+
+
+def auto_augment_transform(policy: AutoAugment, magnitude: int | None = None) -> v2.Transform | None:
+    """torchvision v2's automatic augmentation `policy` on uint8 images (None for ``none``).
+
+    `magnitude` is the policy's own strength setting, None for torchvision's default: RandAugment's magnitude (9 of
+    31 bins), AugMix's severity (3 of 10), TrivialAugmentWide's number of magnitude bins (31); AutoAugment's
+    ImageNet policy has none.
+    """
+    if policy not in AUTO_AUGMENTS:
+        raise ValueError(f"data.auto_augment={policy!r} is unknown; choose one of {', '.join(AUTO_AUGMENTS)}")
+    if policy == "none":
+        return None
+    if policy == "autoaugment":
+        if magnitude is not None:
+            raise ValueError("data.auto_augment_magnitude has no meaning for autoaugment (ImageNet policy); set it null")
+        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
+    key, default = {"trivialaugment": ("num_magnitude_bins", 31), "randaugment": ("magnitude", 9),
+                    "augmix": ("severity", 3)}[policy]
+    cls = {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment, "augmix": v2.AugMix}[policy]
+    return cls(**{key: default if magnitude is None else magnitude})
+
+
+def erase_value(preset: Preset) -> list[int]:
+    """The uint8 fill of random erasing: the pixel that normalises to 0 (the ImageNet mean) where the preset
+    normalises, so erasing before the float conversion equals torchvision's erasing after it; black otherwise."""
+    _check_preset(preset)
+    return [round(255 * m) for m in IMAGENET_MEAN] if preset == "imagenet" else [0, 0, 0]
 
 
 def float_transform(preset: Preset) -> v2.Compose:
@@ -70,8 +100,11 @@ class ClassificationPresetTrain:
     """
 
     def __init__(self, *, preset: Preset = "imagenet", image_size: int = 224, uint8_output: bool = False,
-                 fast_decode: bool = False) -> None:
+                 fast_decode: bool = False, auto_augment: AutoAugment = "none",
+                 auto_augment_magnitude: int | None = None, random_erasing: float = 0.0) -> None:
         check_fast_decode(preset, fast_decode)
+        if not 0.0 <= random_erasing <= 1.0:
+            raise ValueError(f"data.random_erasing={random_erasing} is a probability: choose a value in [0, 1]")
         if preset == "imagenet":
             # Cropped and resized as uint8, before the float conversion: cheaper per pixel. Takes JPEG bytes too.
             steps = [RandomResizedCropFlip(image_size, fast_decode=fast_decode)]
@@ -85,6 +118,12 @@ class ClassificationPresetTrain:
             ]
         else:
             steps = _plain(image_size)
+        # torchvision's reference order: crop and flip, the policy, then erasing; all on uint8, before the float stage.
+        policy = auto_augment_transform(auto_augment, auto_augment_magnitude)
+        if policy is not None:
+            steps.append(policy)
+        if random_erasing > 0:
+            steps.append(v2.RandomErasing(p=random_erasing, value=erase_value(preset)))
         self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_transform(preset).transforms])
 
     def __call__(self, img):

@@ -1,0 +1,78 @@
+"""Automatic augmentation and random erasing (torchvision v2), on uint8 images until the float stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datamodules.presets import (
+    AUTO_AUGMENTS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ClassificationPresetTrain,
+    auto_augment_transform,
+    float_transform,
+)
+
+
+def _image(size: int = 48) -> torch.Tensor:
+    torch.manual_seed(123)
+    return torch.randint(0, 256, (3, size, size), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("policy", [p for p in AUTO_AUGMENTS if p != "none"])
+def test_each_policy_changes_the_pixels_and_keeps_uint8(policy):
+    x = _image()
+    plain = ClassificationPresetTrain(preset="none", image_size=48, uint8_output=True)
+    augmented = ClassificationPresetTrain(preset="none", image_size=48, uint8_output=True, auto_augment=policy)
+    assert isinstance(augmented.transforms.transforms[-1], type(auto_augment_transform(policy)))
+    changed = 0
+    for seed in range(8):
+        torch.manual_seed(seed)
+        out = augmented(x)
+        assert out.dtype == torch.uint8 and out.shape == (3, 48, 48)
+        changed += not torch.equal(out, plain(x))
+    assert changed >= 4, f"{policy} left the image as it was in {8 - changed} of 8 draws"
+
+
+def test_the_magnitude_setting_reaches_each_policy_and_null_keeps_torchvisions_default():
+    assert auto_augment_transform("randaugment", 5).magnitude == 5
+    assert auto_augment_transform("randaugment").magnitude == 9
+    assert auto_augment_transform("augmix", 1).severity == 1
+    assert auto_augment_transform("trivialaugment", 11).num_magnitude_bins == 11
+    assert auto_augment_transform("none") is None
+
+
+def test_random_erasing_fills_a_box_with_the_pixel_that_normalises_to_zero():
+    x = torch.full((3, 32, 32), 255, dtype=torch.uint8)  # white: no pixel equals the fill before erasing
+    erase = ClassificationPresetTrain(preset="imagenet", image_size=32, uint8_output=True, random_erasing=1.0)
+    torch.manual_seed(0)
+    out = erase(x)
+    assert out.dtype == torch.uint8
+    fill = torch.tensor([round(255 * m) for m in IMAGENET_MEAN], dtype=torch.uint8)
+    box = (out == fill[:, None, None]).all(dim=0)  # (H, W)
+    rows, cols = box.any(dim=1).nonzero(), box.any(dim=0).nonzero()
+    assert 0 < box.sum() < 32 * 32
+    assert box.sum() == len(rows) * len(cols)  # one rectangle
+    normalised = float_transform("imagenet")(out.unsqueeze(0))[0]
+    assert normalised[:, box].abs().max() <= 0.5 / 255 / min(IMAGENET_STD)  # 0 up to the uint8 rounding
+    assert torch.equal(ClassificationPresetTrain(preset="none", image_size=32, uint8_output=True,
+                                                 random_erasing=1.0)(x).amin(), torch.tensor(0, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"auto_augment": "cutout"}, "data.auto_augment='cutout' is unknown; choose one of none, trivialaugment"),
+    ({"random_erasing": 1.5}, "data.random_erasing=1.5 is a probability"),
+    ({"auto_augment": "autoaugment", "auto_augment_magnitude": 3}, "no meaning for autoaugment"),
+])
+def test_bad_augmentation_settings_name_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClassificationPresetTrain(preset="imagenet", image_size=32, **kwargs)
+
+
+def test_torchvisions_order_crop_flip_policy_erasing_then_the_float_stage():
+    preset = ClassificationPresetTrain(preset="imagenet", image_size=32, auto_augment="randaugment",
+                                       random_erasing=0.5)
+    assert [type(t).__name__ for t in preset.transforms.transforms] == [
+        "RandomResizedCropFlip", "RandAugment", "RandomErasing", "ToDtype", "Normalize"]
+    out = preset(_image())
+    assert out.dtype == torch.float32 and out.shape == (3, 32, 32)
