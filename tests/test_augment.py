@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from datamodules.presets import (
     AUTO_AUGMENTS,
     IMAGENET_MEAN,
