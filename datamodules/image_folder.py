@@ -31,6 +31,7 @@ from datamodules.images import (
 )
 from datamodules.presets import (
     PRESETS,
+    AutoAugment,
     ClassificationPresetEval,
     ClassificationPresetTrain,
     Preset,
@@ -174,6 +175,17 @@ class ImageFolderDataModule(L.LightningDataModule):
         split_seed: seed of that split; the same split on every process and every run.
         preset: transform preset, one of ``imagenet``, ``keras``, ``none``.
         image_size: side of the square image fed to the network.
+        train_image_size: side of the training crops, null = image_size. Smaller than eval_image_size is FixRes
+            (torchvision's V2 recipe trains at 176 and evaluates at 224): the random crops enlarge objects, and
+            evaluating larger makes up for it.
+        eval_image_size: side of the validation, test and prediction images, null = image_size.
+        auto_augment: automatic augmentation policy of the training images (torchvision v2, on uint8): ``none``,
+            ``trivialaugment`` (TrivialAugmentWide, torchvision's V2 recipe), ``randaugment``, ``autoaugment``
+            (ImageNet policy) or ``augmix``.
+        auto_augment_magnitude: the policy's strength, null = torchvision's default: RandAugment magnitude (9),
+            AugMix severity (3), TrivialAugmentWide's number of magnitude bins (31).
+        random_erasing: probability of erasing a random box of each training image (0.1 in torchvision's V2 recipe),
+            filled with the pixel that normalises to zero.
         prefetch_factor: batches each worker loads ahead.
         persistent_workers: keep loader processes alive between epochs.
         pin_memory: page-locked host memory for faster copies; null means "when training on CUDA".
@@ -203,6 +215,11 @@ class ImageFolderDataModule(L.LightningDataModule):
         split_seed: int = 0,
         preset: Preset = "imagenet",
         image_size: int = 224,
+        train_image_size: int | None = None,
+        eval_image_size: int | None = None,
+        auto_augment: AutoAugment = "none",
+        auto_augment_magnitude: int | None = None,
+        random_erasing: float = 0.0,
         prefetch_factor: int = 2,
         persistent_workers: bool = True,
         pin_memory: bool | None = None,
@@ -214,7 +231,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         scan_cache: bool = True,
     ) -> None:
         super().__init__()
-        _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images)
+        _check_args(batch_size, num_workers, val_split, preset, dict(image_size=image_size, train_image_size=train_image_size,
+                    eval_image_size=eval_image_size), bad_images)
         check_fast_decode(preset, fast_decode)
         self.save_hyperparameters()
         for key in ("root", "predict_dir"):  # as strings: checkpoints load weights_only, which refuses Paths
@@ -227,6 +245,11 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.split_seed = split_seed
         self.preset = preset
         self.image_size = image_size
+        self.train_image_size = train_image_size or image_size
+        self.eval_image_size = eval_image_size or image_size
+        self.augment = dict(auto_augment=auto_augment, auto_augment_magnitude=auto_augment_magnitude,
+                            random_erasing=random_erasing)
+        ClassificationPresetTrain(preset=preset, image_size=self.train_image_size, **self.augment)  # checks the keys
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
@@ -269,9 +292,9 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         uint8 = self.normalize_on_device or self.augment_on_device
-        train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.image_size, uint8_output=uint8,
-                                             fast_decode=self.fast_decode)
-        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.image_size, uint8_output=uint8)
+        train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.train_image_size, uint8_output=uint8,
+                                             fast_decode=self.fast_decode, **self.augment)
+        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.eval_image_size, uint8_output=uint8)
         # With fast_decode the training transform decodes each JPEG for its crop (reduced size when it can).
         read, train_read = read_image, read_encoded if self.fast_decode else read_image
         if self.augment_on_device:  # the workers read; `augment_batch` decodes and transforms on the device
@@ -468,7 +491,7 @@ def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = Non
     return (((base * 1_000_003 + batch) * 1_009 + rank) * 7 + stream) % (2**63)
 
 
-def _check_args(batch_size, num_workers, val_split, preset, image_size, bad_images) -> None:
+def _check_args(batch_size, num_workers, val_split, preset, sizes: dict[str, int | None], bad_images) -> None:
     """Reject bad config values up front, naming the key."""
     if batch_size < 1:
         raise ValueError(f"data.batch_size={batch_size} must be at least 1")
@@ -478,7 +501,8 @@ def _check_args(batch_size, num_workers, val_split, preset, image_size, bad_imag
         raise ValueError(f"data.val_split={val_split} must be between 0 and 1")
     if preset not in PRESETS:
         raise ValueError(f"data.preset={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-    if image_size < 32:
-        raise ValueError(f"data.image_size={image_size} is below 32, too small for a ResNet (5 stride-2 stages)")
+    for key, size in sizes.items():
+        if size is not None and size < 32:
+            raise ValueError(f"data.{key}={size} is below 32, too small for a ResNet (5 stride-2 stages)")
     if bad_images not in ("raise", "skip"):
         raise ValueError(f"data.bad_images={bad_images!r} is unknown; choose raise or skip")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from datamodules import ImageFolderDataModule
 from datamodules.presets import (
     AUTO_AUGMENTS,
     IMAGENET_MEAN,
@@ -13,6 +14,7 @@ from datamodules.presets import (
     auto_augment_transform,
     float_transform,
 )
+from tests.helpers import make_image_folder
 
 
 def _image(size: int = 48) -> torch.Tensor:
@@ -77,3 +79,22 @@ def test_torchvisions_order_crop_flip_policy_erasing_then_the_float_stage():
         "RandomResizedCropFlip", "RandAugment", "RandomErasing", "ToDtype", "Normalize"]
     out = preset(_image())
     assert out.dtype == torch.float32 and out.shape == (3, 32, 32)
+
+
+def test_the_datamodule_trains_at_train_image_size_and_evaluates_at_eval_image_size(tmp_path):
+    """FixRes: smaller training crops than evaluation images; the augmentation keys reach the training transform."""
+    root = make_image_folder(tmp_path / "images", {"a": 4, "b": 4}, size=48)
+    data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, train_image_size=32,
+                                 eval_image_size=40, auto_augment="trivialaugment", random_erasing=0.25)
+    data.setup("fit")
+    x_train, _ = next(iter(data.train_dataloader()))
+    x_val, _ = next(iter(data.val_dataloader()))
+    assert (x_train.shape[-1], x_val.shape[-1]) == (32, 40)
+    assert x_train.dtype == x_val.dtype == torch.uint8  # the float stage runs after the copy to the device
+    steps = [type(t).__name__ for t in data.train_set.transform.transforms.transforms]
+    assert steps == ["RandomResizedCropFlip", "TrivialAugmentWide", "RandomErasing"]
+    assert data.train_set.transform.transforms.transforms[-1].p == 0.25
+    with pytest.raises(ValueError, match="data.eval_image_size=16 is below 32"):
+        ImageFolderDataModule(root=str(root), eval_image_size=16)
+    with pytest.raises(ValueError, match="data.auto_augment='flip' is unknown"):
+        ImageFolderDataModule(root=str(root), auto_augment="flip")

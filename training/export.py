@@ -39,7 +39,8 @@ def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
 
 def preprocessing(data: dict) -> dict:
     """What a server must do to an RGB image before the model, from the run's eval transform."""
-    preset, size = data.get("preset", "imagenet"), int(data.get("image_size", 224))
+    preset = data.get("preset", "imagenet")
+    size = int(data.get("eval_image_size") or data.get("image_size", 224))  # FixRes: evaluation's size, not training's
     steps = ClassificationPresetEval(preset=preset, image_size=size).transforms.transforms
     return {
         "input": "RGB image (decode grayscale/RGBA/16-bit to 8-bit RGB first)",
