@@ -38,6 +38,7 @@ from datamodules.presets import (
     check_fast_decode,
     float_transform,
 )
+from datamodules.samplers import RepeatedAugmentationSampler
 from datamodules.validation import ScanCache, bad_images_message, find_bad_images
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,8 @@ class ImageFolderDataModule(L.LightningDataModule):
             AugMix severity (3), TrivialAugmentWide's number of magnitude bins (31).
         random_erasing: probability of erasing a random box of each training image (0.1 in torchvision's V2 recipe),
             filled with the pixel that normalises to zero.
+        repeated_augmentation: draw each training image this many times per draw, its copies on different ranks
+            and augmented differently (3 in torchvision's V2 recipe); an epoch keeps its length. 1 is off.
         prefetch_factor: batches each worker loads ahead.
         persistent_workers: keep loader processes alive between epochs.
         pin_memory: page-locked host memory for faster copies; null means "when training on CUDA".
@@ -220,6 +223,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         auto_augment: AutoAugment = "none",
         auto_augment_magnitude: int | None = None,
         random_erasing: float = 0.0,
+        repeated_augmentation: int = 1,
         prefetch_factor: int = 2,
         persistent_workers: bool = True,
         pin_memory: bool | None = None,
@@ -250,6 +254,9 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.augment = dict(auto_augment=auto_augment, auto_augment_magnitude=auto_augment_magnitude,
                             random_erasing=random_erasing)
         ClassificationPresetTrain(preset=preset, image_size=self.train_image_size, **self.augment)  # checks the keys
+        if repeated_augmentation < 1:
+            raise ValueError(f"data.repeated_augmentation={repeated_augmentation} must be at least 1 (1 is off)")
+        self.repeated_augmentation = repeated_augmentation
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
@@ -392,7 +399,9 @@ class ImageFolderDataModule(L.LightningDataModule):
         # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
         # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
         loader_cls = StatefulDataLoader if shuffle else DataLoader
-        if shuffle and trainer is not None and trainer.world_size > 1:
+        if sampler is not None:
+            shuffle = False  # the sampler orders the data
+        elif shuffle and trainer is not None and trainer.world_size > 1:
             # Lightning swaps torch's RandomSampler for a DistributedSampler, whose order is a function of (seed,
             # epoch); torchdata's own RandomSampler would be wrapped instead, and its generator is not checkpointed.
             sampler, shuffle = RandomSampler(dataset), False
@@ -419,7 +428,11 @@ class ImageFolderDataModule(L.LightningDataModule):
             log.warning(f"data: {len(self.train_set)} training images over {world} process(es) give {per_process} "
                         f"per process, fewer than data.batch_size={self.batch_size}: each step trains on "
                         f"{per_process} per process")
-        return self._loader(self.train_set, shuffle=True, drop_last=per_process > self.batch_size)
+        sampler = None
+        if self.repeated_augmentation > 1:  # a DistributedSampler: Lightning keeps it, and calls its set_epoch
+            sampler = RepeatedAugmentationSampler(self.train_set, world, self.trainer.global_rank if self.trainer else 0,
+                                                  repeats=self.repeated_augmentation)
+        return self._loader(self.train_set, shuffle=True, drop_last=per_process > self.batch_size, sampler=sampler)
 
     def _eval_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:
         # Under DDP, Lightning's DistributedSampler pads val/test with repeated images so that every rank gets as

@@ -1,0 +1,40 @@
+"""Training samplers that Lightning leaves in place under DDP (they are DistributedSamplers): repeated augmentation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+
+class RepeatedAugmentationSampler(DistributedSampler):
+    """Repeated augmentation (Hoffer et al. 2019; DeiT and torchvision's V2 recipe): each image of an epoch is drawn
+    `repeats` times, and its copies go to different ranks, where each is augmented differently.
+
+    Every epoch a permutation seeded by (seed, epoch) is repeated element-wise (a a a b b b ...) and dealt to the
+    ranks in turn, so the copies of one image land on `repeats` different ranks (all on one rank when there is only
+    one). An epoch keeps its length, ceil(images / ranks) per rank: it holds a `1 / repeats` share of the images,
+    each `repeats` times, and the next epochs draw the others. The order is a function of (seed, epoch) alone, so a
+    resumed loader (torchdata's StatefulDataLoader) replays it exactly.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, *, repeats: int = 3, seed: int = 0) -> None:
+        if repeats < 1:
+            raise ValueError(f"data.repeated_augmentation={repeats} must be at least 1 (1 is off)")
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.repeats = repeats
+        self.num_samples = math.ceil(len(dataset) / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self):
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator)
+        repeated = order.repeat_interleave(self.repeats)  # (len * repeats,): a a a b b b ...
+        if len(repeated) < self.total_size:  # fewer images than ranks: wrap around, as DistributedSampler pads
+            repeated = repeated.repeat(math.ceil(self.total_size / len(repeated)))
+        return iter(repeated[self.rank:self.total_size:self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
