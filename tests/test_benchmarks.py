@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from benchmarks import run
+from benchmarks import run, worker_memory
 from benchmarks.common import interleaved, table
 
 
@@ -40,6 +40,16 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     assert re.search(r"Target, at least 2x the baseline per core: [\d.]+x with the defaults", text)
     assert _num(pipeline[1][2]) == 1.0 and all(_num(r[1]) > 0 for r in pipeline[1:])
     assert "loader worker" in text
+
+    scan = tables["Start scan"]
+    assert [r[0] for r in scan[1:4]] == ["no cache (before it; data.scan_cache false)",
+                                         "cold: first start (decodes all, writes the cache)",
+                                         "warm: cache present, nothing changed"]
+    assert _num(scan[3][1]) < _num(scan[2][1])
+    assert re.search(r"Target, a warm scan at least 20x faster than a cold one: \d+x", text)
+    memory = tables["Loader-worker memory"]
+    assert [r[0] for r in memory[1:5]] == [worker_memory.ARRAYS, worker_memory.ARRAYS + worker_memory.FROZEN,
+                                          worker_memory.LIST, worker_memory.LIST + worker_memory.FROZEN]
 
     overhead = tables["Training-loop overhead"]
     assert overhead[0][-1] == "ratio (target >= 0.97)" and len(overhead) == 2 and _num(overhead[1][-1]) > 0
