@@ -1,5 +1,5 @@
-"""Plain-torch network builder: any torchvision classification model, its classifier replaced by the classic Keras
-fine-tuning head (the backbone's pooled features -> 1024 -> classes)."""
+"""Plain-torch network builder: any torchvision classification model (or timm model, `timm/<name>`), its classifier
+replaced by the classic Keras fine-tuning head (the backbone's pooled features -> 1024 -> classes)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
+
+TIMM_PREFIX = "timm/"  # model.arch of a timm model: timm/<name>[.<pretrained tag>], e.g. timm/resnet50.a1_in1k
 
 
 @cache
@@ -37,17 +39,24 @@ def build_network(
     a ResNet, `classifier.1` for an EfficientNet). `weights` (a torchvision weights name or a file) initialises the
     backbone; see `load_backbone_weights`.
     """
-    if arch not in archs():
-        close = difflib.get_close_matches(arch, archs(), n=4, cutoff=0.5)
-        raise ValueError(f"model.arch={arch!r} is not a torchvision classification model"
-                         + (f"; did you mean {', '.join(close)}?" if close else "")
-                         + f" ({len(archs())} names: torchvision.models.list_models(module=torchvision.models))")
     if head_hidden < 0:
         raise ValueError(f"model.head_hidden={head_hidden} must be >= 0 (0 means a single linear layer)")
-    net = torchvision.models.get_model(arch, weights=None)
-    if getattr(net, "aux_logits", False):  # Inception v3, GoogLeNet: their auxiliary classifiers would be a 2nd output
-        net = torchvision.models.get_model(arch, weights=None, aux_logits=False, init_weights=False)
-    name = classifier_name(net, arch)
+    if arch.startswith(TIMM_PREFIX):
+        net = _timm().create_model(_timm_name(arch), pretrained=False)
+        name = net.pretrained_cfg.get("classifier")  # timm names its classifier, e.g. "head.fc"
+        if not isinstance(net.get_submodule(name) if name else None, nn.Linear):
+            name = classifier_name(net, arch)
+    else:
+        if arch not in archs():
+            close = difflib.get_close_matches(arch, archs(), n=4, cutoff=0.5)
+            raise ValueError(f"model.arch={arch!r} is not a torchvision classification model"
+                             + (f"; did you mean {', '.join(close)}?" if close else "")
+                             + f" ({len(archs())} names: torchvision.models.list_models(module=torchvision.models); "
+                             "timm models are timm/<name>)")
+        net = torchvision.models.get_model(arch, weights=None)
+        if getattr(net, "aux_logits", False):  # Inception v3, GoogLeNet: auxiliary classifiers would be a 2nd output
+            net = torchvision.models.get_model(arch, weights=None, aux_logits=False, init_weights=False)
+        name = classifier_name(net, arch)
     if weights is not None:
         load_backbone_weights(net, arch, weights, head_prefix=f"{name}.")
     features = net.get_submodule(name).in_features  # 512 for resnet18, 2048 for resnet50, 768 for convnext_tiny
@@ -81,8 +90,10 @@ def load_backbone_weights(net: nn.Module, arch: str, weights: str, head_prefix: 
     checkpoint of this project (its `net.` parameters). The source's classifier (`head_prefix`) is never loaded:
     the head is trained for the new classes.
     """
-    if os.path.sep in weights or weights.endswith((".pth", ".pt", ".ckpt", ".bin")) or Path(weights).exists():
+    if os.path.sep in weights or weights.endswith(WEIGHT_FILES) or Path(weights).exists():
         state = _state_dict_from_file(Path(weights).expanduser())
+    elif arch.startswith(TIMM_PREFIX):
+        state = _state_dict_from_timm(arch, weights)
     else:
         state = _state_dict_from_torchvision(arch, weights)
     backbone = {k: v for k, v in state.items() if not k.startswith(head_prefix)}
@@ -99,10 +110,17 @@ def load_backbone_weights(net: nn.Module, arch: str, weights: str, head_prefix: 
     net.load_state_dict(backbone, strict=False)  # strict=False: only the classifier is left as initialised
 
 
+WEIGHT_FILES = (".pth", ".pt", ".ckpt", ".bin", ".safetensors")
+
+
 def _state_dict_from_file(path: Path, key: str = "model.weights") -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"{key}={path} does not exist; pass a state-dict file, a checkpoint, "
                                 "a torchvision weights name such as IMAGENET1K_V2, or null")
+    if path.suffix == ".safetensors":  # tensors only, by design: nothing to unpickle
+        from safetensors.torch import load_file
+
+        return load_file(path)
     # weights_only: a weight file must never be able to run code when it is read.
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -137,3 +155,39 @@ def _state_dict_from_torchvision(arch: str, name: str) -> dict[str, torch.Tensor
             f"could not download {arch} weights {name} ({type(err).__name__}: {err}). Without network access, "
             f"copy {file_name} to {cached} ($TORCH_HOME/hub/checkpoints/) or pass model.weights=/path/to/file.pth"
         ) from None
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        raise ImportError("model.arch=timm/...: timm is not installed; pip install 'imgcls[timm]'") from None
+    return timm
+
+
+def _timm_name(arch: str) -> str:
+    """`timm/<name>[.tag]` -> `<name>[.tag]`, checked against timm's model list."""
+    name = arch.removeprefix(TIMM_PREFIX)
+    timm = _timm()
+    if not timm.is_model(name.split(".")[0]):
+        close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
+        raise ValueError(f"model.arch={arch!r}: {name!r} is not a timm model"
+                         + (f"; did you mean {', '.join(TIMM_PREFIX + c for c in close)}?" if close else ""))
+    return name
+
+
+def _state_dict_from_timm(arch: str, weights: str) -> dict[str, torch.Tensor]:
+    """timm's pretrained weights of `arch` (weights=DEFAULT), from timm's cache or the Hugging Face Hub."""
+    name = _timm_name(arch)
+    if weights != "DEFAULT":
+        raise ValueError(f"model.weights={weights!r} for {arch}: use DEFAULT (timm's pretrained weights; the tag goes "
+                         "in the name, e.g. timm/resnet50.a1_in1k), a weights file, or null")
+    timm = _timm()
+    try:
+        return timm.create_model(name, pretrained=True).state_dict()
+    except Exception as err:  # no network, no cached file, a gated repository...
+        hub_id = timm.get_pretrained_cfg(name).hf_hub_id if timm.get_pretrained_cfg(name) else None
+        where = (f"download https://huggingface.co/{hub_id}/resolve/main/model.safetensors and pass "
+                 "model.weights=/path/to/model.safetensors" if hub_id else "pass model.weights=/path/to/weights file")
+        raise RuntimeError(f"could not load timm's pretrained weights for {arch} ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0][:200]}); without network access, {where}") from None

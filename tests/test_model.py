@@ -359,3 +359,43 @@ def test_ema_weights_are_validated_and_saved_the_trained_ones_kept(tmp_path):
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert torch.equal(saved["state_dict"][key], averaged[key])
     assert torch.equal(saved["current_model_state"][key], trained[key])
+
+
+@pytest.mark.parametrize(("arch", "head", "features"), [("timm/resnet18", "fc", 512),
+                                                          ("timm/convnext_atto", "head.fc", 320)])
+def test_timm_models_get_the_same_head_in_place_of_their_named_classifier(arch, head, features):
+    net = build_network(arch, head_hidden=16, num_classes=3)
+    assert net.head_name == head
+    linears = [m for m in net.get_submodule(head).modules() if isinstance(m, nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(features, 16), (16, 3)]
+    assert net.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+def test_timm_weights_from_a_safetensors_file_load_the_backbone_only(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+
+    source = timm.create_model("resnet18", pretrained=False)
+    path = tmp_path / "model.safetensors"
+    save_file(source.state_dict(), path)
+    net = build_network("timm/resnet18", weights=str(path), head_hidden=0, num_classes=4)
+    assert torch.equal(net.conv1.weight, source.conv1.weight)
+    assert net.fc.out_features == 4
+
+
+def test_timm_pretrained_weights_without_network_name_the_file_to_fetch(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: the variable is too late
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"download https://huggingface.co/timm/resnet18\.a1_in1k/resolve/main/"
+                                           r"model\.safetensors and pass model\.weights="):
+        build_network("timm/resnet18.a1_in1k", weights="DEFAULT")
+
+
+def test_timm_names_are_checked_and_timm_is_optional(monkeypatch):
+    with pytest.raises(ValueError, match="did you mean timm/resnet18"):
+        build_network("timm/resnet18x")
+    monkeypatch.setitem(__import__("sys").modules, "timm", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'imgcls\[timm\]'"):
+        build_network("timm/resnet18")
