@@ -86,6 +86,19 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def kill_args(step: int, where: str, rank: int | None = None) -> list[str]:
+    """`imgcls fit` arguments that add tests.fault_injection.KillAt: the run SIGKILLs itself at (step, where)."""
+    args = ["--trainer.callbacks+=tests.fault_injection.KillAt", "--trainer.callbacks.step", str(step),
+            "--trainer.callbacks.where", where]
+    return args + (["--trainer.callbacks.rank", str(rank)] if rank is not None else [])
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between the floating-point tensors of two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1, for one multi-process run."""
     with socket.socket() as s:

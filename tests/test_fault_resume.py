@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import CONFIGS, ROOT, cli_env, free_port, make_image_folder, run_cli
+from tests.helpers import CONFIGS, ROOT, cli_env, free_port, kill_args, make_image_folder, max_diff, run_cli
 from training.checkpointing import checkpoint_problem
 
 STEPS_PER_EPOCH = 4  # 32 train images / batch 8
@@ -70,26 +70,15 @@ def _weights(run: Path, key: str = "state_dict") -> dict[str, torch.Tensor]:
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")[key]
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
-
-
 def _fit(config: Path, run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     # A fresh port for every run (only DDP uses it): a killed run's port can stay busy for a while.
     return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(run), *extra, check=check,
                    env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
 
 
-def _kill_args(step: int, where: str, rank: int | None = None) -> list[str]:
-    args = ["--trainer.callbacks+=tests.fault_injection.KillAt", "--trainer.callbacks.step", str(step),
-            "--trainer.callbacks.where", where]
-    return args + (["--trainer.callbacks.rank", str(rank)] if rank is not None else [])
-
-
 def _kill(config: Path, run: Path, step: int, where: str) -> None:
     """Run `config` until every process SIGKILLs itself at (step, where)."""
-    killed = _fit(config, run, *_kill_args(step, where), check=False)
+    killed = _fit(config, run, *kill_args(step, where), check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
 
 
@@ -133,7 +122,7 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
             assert how == "auto_resume"
         else:  # the same command again: auto_resume
             assert _resumed_from(_fit(config, run)) == (checkpoints / expected, "auto_resume")
-        report[(step, where)] = _max_diff(reference, _weights(run))
+        report[(step, where)] = max_diff(reference, _weights(run))
     # The production config's background writer: a kill may come while the newest checkpoint is still being
     # written, and the resume then starts from an older one (or from scratch), never from a partial file, and still
     # ends the same.
@@ -142,7 +131,7 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
     # A write cut short leaves at most its hidden temporary file: every file named *.ckpt is whole.
     assert all(checkpoint_problem(c) is None for c in (run / "checkpoints").glob("*.ckpt"))
     _fit(_config(tmp_path, data, background_writes=True), run)
-    report[(5, "train, background writes")] = _max_diff(reference, _weights(run))
+    report[(5, "train, background writes")] = max_diff(reference, _weights(run))
     print("1 process, max |w - w_ref| per kill point:", report)
     assert all(diff <= 1e-6 for diff in report.values()), report
 
@@ -159,15 +148,15 @@ def test_sigkill_of_a_ddp_job_at_any_point_resumes_to_identical_weights(tmp_path
     run = tmp_path / "killed"
     resumed = []
     for i, (step, where, _) in enumerate(KILL_POINTS):
-        killed = _fit(config, run, *_kill_args(step, where), check=False)
+        killed = _fit(config, run, *kill_args(step, where), check=False)
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         if i:
             resumed.append(_resumed_from(killed))
     resumed.append(_resumed_from(_fit(config, run)))
     assert resumed == [(run / "checkpoints" / expected, "auto_resume") for _, _, expected in KILL_POINTS]
-    diff = _max_diff(_weights(tmp_path / "reference"), _weights(run))  # the EMA weights: state_dict
-    diff = max(diff, _max_diff(_weights(tmp_path / "reference", "current_model_state"),
-                               _weights(run, "current_model_state")))  # and the trained ones
+    diff = max_diff(_weights(tmp_path / "reference"), _weights(run))  # the EMA weights: state_dict
+    diff = max(diff, max_diff(_weights(tmp_path / "reference", "current_model_state"),
+                              _weights(run, "current_model_state")))  # and the trained ones
     print(f"DDP x2, killed at {[(step, where) for step, where, _ in KILL_POINTS]}: max |w - w_ref| = {diff}")
     assert diff <= 1e-6
 
@@ -203,7 +192,7 @@ def test_preemption_signal_saves_and_exits_nonzero_then_resumes(tmp_path, data, 
     config = _config(tmp_path, data, background_writes=sig == signal.SIGUSR1)
     run = tmp_path / "run"
     # The test sends the signal to itself mid-step (as SLURM or Kubernetes would send it from outside).
-    proc = _fit(config, run, *_kill_args(3, "train_start"), f"--trainer.callbacks.sig={int(sig)}", check=False)
+    proc = _fit(config, run, *kill_args(3, "train_start"), f"--trainer.callbacks.sig={int(sig)}", check=False)
     assert proc.returncode == 128 + sig, proc.stderr[-3000:]
     saved = run / "checkpoints" / "preempted.ckpt"
     assert saved.is_file()
@@ -232,7 +221,7 @@ def test_ddp_rank_lost_mid_step_peer_exits_within_timeout(tmp_path, data, sig, e
     args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "run"),
             "--trainer.num_nodes", "2", "--data.batch_size", "4",
             "--trainer.strategy", "training.strategy.CompressedDDPStrategy",
-            "--trainer.strategy.timeout_s", str(timeout_s), *_kill_args(3, "train_start", rank=1),
+            "--trainer.strategy.timeout_s", str(timeout_s), *kill_args(3, "train_start", rank=1),
             f"--trainer.callbacks.sig={int(sig)}", "--trainer.callbacks.stamp", str(stamp)]
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=ROOT,
@@ -315,7 +304,7 @@ def test_preemption_of_one_ddp_rank_saves_and_stops_every_rank(tmp_path, data):
     so both ranks save preempted.ckpt at the same step and exit with 143."""
     config = _config(tmp_path, data, devices=2)
     run = tmp_path / "run"
-    proc = _fit(config, run, *_kill_args(3, "train_start", rank=1), f"--trainer.callbacks.sig={int(signal.SIGTERM)}",
+    proc = _fit(config, run, *kill_args(3, "train_start", rank=1), f"--trainer.callbacks.sig={int(signal.SIGTERM)}",
                 check=False)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     saved = run / "checkpoints" / "preempted.ckpt"
