@@ -20,6 +20,8 @@ from lightning_modules.network import build_network, head_prefix
 
 Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
+Optimizer = Literal["sgd", "adamw", "lamb"]
+Loss = Literal["ce", "bce"]
 
 
 class ImageClassifier(L.LightningModule):
@@ -35,7 +37,10 @@ class ImageClassifier(L.LightningModule):
         head_hidden: width of the hidden head layer (1024 in the Keras/Horovod recipe this template reproduces:
             global average pool -> 1024 -> classes); 0 gives a single linear layer.
         dropout: dropout before the last layer of the head.
-        optimizer: ``sgd`` (momentum, nesterov) or ``adamw``.
+        optimizer: ``sgd`` (momentum, nesterov), ``adamw``, or ``lamb`` (timm's LAMB, of its ResNet-strikes-back
+            recipes; needs ``pip install 'imgcls[timm]'``).
+        loss: ``ce`` (softmax cross-entropy) or ``bce`` (a binary cross-entropy per class on the one-hot, smoothed or
+            mixed targets, as in ResNet strikes back).
         lr: learning rate per 256 images; scaled by the global batch (world size x batch x accumulation).
         lr_scaling: ``linear``, ``sqrt`` or ``none``: how lr follows the global batch size.
         momentum: SGD momentum (AdamW: beta1).
@@ -66,7 +71,8 @@ class ImageClassifier(L.LightningModule):
         weights: str | None = None,
         head_hidden: int = 1024,
         dropout: float = 0.2,
-        optimizer: Literal["sgd", "adamw"] = "sgd",
+        optimizer: Optimizer = "sgd",
+        loss: Loss = "ce",
         lr: float = 0.1,
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         momentum: float = 0.9,
@@ -86,6 +92,8 @@ class ImageClassifier(L.LightningModule):
         super().__init__()
         _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
                     label_smoothing, backbone_lr_ratio, freeze_backbone_epochs, mixup_alpha, cutmix_alpha)
+        if loss not in Loss.__args__:
+            raise ValueError(f"model.loss={loss!r} is unknown; choose {' or '.join(Loss.__args__)}")
         if optimizer_impl not in OptimizerImpl.__args__:
             raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose {', '.join(OptimizerImpl.__args__)}")
         for key, value in (("channels_last", channels_last), ("compile", compile)):
@@ -137,13 +145,22 @@ class ImageClassifier(L.LightningModule):
         if self.batch_mix is not None:
             x, y = self.batch_mix(x, y)  # y: (B, num_classes) soft targets
         logits = self(x)
-        loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        loss = self.loss(logits, y)
         self.train_acc(logits, y.argmax(dim=1) if y.ndim == 2 else y)
         self.log("train/loss", loss, prog_bar=True)
         # Per epoch, over every training image of every rank (torchmetrics syncs it once): one batch's accuracy is
         # too noisy to read, and the epoch value sits on the same axis as val/acc.
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss of (B, C) logits against class indices (B,) or soft targets (B, C)."""
+        smoothing = self.hparams.label_smoothing
+        if self.hparams.loss == "ce":
+            return F.cross_entropy(logits, y, label_smoothing=smoothing)
+        target = F.one_hot(y, logits.shape[1]).to(logits.dtype) if y.ndim == 1 else y.to(logits.dtype)
+        target = target * (1 - smoothing) + smoothing / logits.shape[1]  # cross_entropy's smoothing, per class
+        return F.binary_cross_entropy_with_logits(logits, target)
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:
         x, y = batch
@@ -236,8 +253,15 @@ class ImageClassifier(L.LightningModule):
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[chosen]
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=hp.momentum, nesterov=hp.nesterov, **impl)
-        else:
+        elif hp.optimizer == "adamw":
             optimizer = torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=(hp.momentum, 0.999), **impl)
+        else:  # LAMB: Adam's step scaled per layer by |w| / |step|; timm's, not torch's (which has none)
+            try:
+                from timm.optim import Lamb
+            except ImportError:
+                raise ImportError("model.optimizer=lamb is timm's LAMB: pip install 'imgcls[timm]'") from None
+            optimizer = Lamb(groups, lr=groups[0]["lr"], betas=(hp.momentum, 0.999),
+                             foreach=chosen in ("foreach", "fused") or None)
 
         total = max(1, int(self.trainer.estimated_stepping_batches))
         # Optimizer steps per epoch from the loader, not total / max_epochs: with max_steps and no max_epochs that
@@ -348,8 +372,8 @@ def _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_deca
         raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
     if class_names is not None and len(class_names) != num_classes:
         raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
-    if optimizer not in ("sgd", "adamw"):
-        raise ValueError(f"model.optimizer={optimizer!r} is unknown; choose sgd or adamw")
+    if optimizer not in Optimizer.__args__:
+        raise ValueError(f"model.optimizer={optimizer!r} is unknown; choose {', '.join(Optimizer.__args__)}")
     if lr_scaling not in ("linear", "sqrt", "none"):
         raise ValueError(f"model.lr_scaling={lr_scaling!r} is unknown; choose linear, sqrt or none")
     if not lr > 0:

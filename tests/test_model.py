@@ -399,3 +399,30 @@ def test_timm_names_are_checked_and_timm_is_optional(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "timm", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'imgcls\[timm\]'"):
         build_network("timm/resnet18")
+
+
+def test_bce_loss_scores_each_class_against_the_smoothed_or_mixed_targets():
+    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss="bce", label_smoothing=0.2)
+    logits, y = torch.randn(3, 4), torch.tensor([0, 3, 1])
+    expected = F.binary_cross_entropy_with_logits(logits, F.one_hot(y, 4).float() * 0.8 + 0.05)
+    torch.testing.assert_close(model.loss(logits, y), expected)
+    soft = torch.tensor([[0.7, 0.3, 0.0, 0.0]] * 3)  # a mixed batch's targets
+    torch.testing.assert_close(model.loss(logits, soft), F.binary_cross_entropy_with_logits(logits, soft * 0.8 + 0.05))
+    ce = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, label_smoothing=0.2)
+    torch.testing.assert_close(ce.loss(logits, y), F.cross_entropy(logits, y, label_smoothing=0.2))
+
+
+def test_lamb_is_timms_and_trains_with_the_projects_parameter_groups():
+    from timm.optim import Lamb
+
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 2
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, optimizer="lamb", loss="bce",
+                            batch_size=4, lr=0.008, lr_scaling="none", warmup_epochs=0, channels_last=False)
+    before = model.net.fc[0].weight.detach().clone()
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, Lamb) and len(optimizer.param_groups) == 4
+    assert [g["initial_lr"] for g in optimizer.param_groups] == pytest.approx([0.008] * 4)
+    assert not torch.equal(model.net.fc[0].weight, before) and torch.isfinite(trainer.callback_metrics["train/loss"])
