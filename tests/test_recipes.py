@@ -1,0 +1,43 @@
+"""The shipped recipes (configs/recipes/*.yaml): overlays that compose with the base configs and train, shrunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
+
+RECIPES = {  # recipe -> keys it must set in the resolved config, and whether it carries an EMA
+    "torchvision_v2": ({"model.mixup_alpha": 0.2, "model.cutmix_alpha": 1.0, "model.label_smoothing": 0.1,
+                        "data.auto_augment": "trivialaugment", "data.random_erasing": 0.1,
+                        "data.repeated_augmentation": 4, "model.lr": 0.125}, True),
+    "rsb_a3": ({"model.optimizer": "lamb", "model.loss": "bce", "model.mixup_alpha": 0.1,
+                "data.auto_augment": "randaugment", "data.auto_augment_magnitude": 6, "model.lr": 0.001}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("recipes") / "images", {"a": 8, "b": 8}, size=48)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp_path):
+    expected, ema = RECIPES[recipe]
+    run = tmp_path / "run"
+    # Shrunk as every test shrinks a shipped config: small images and batches, two epochs of two steps.
+    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "recipes" / f"{recipe}.yaml"),
+            *TINY, "--data.root", str(images), "--data.batch_size", "4", "--data.train_image_size", "32",
+            "--data.eval_image_size", "40", "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2",
+            "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run), env=cli_env())
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    for key, value in expected.items():
+        section, name = key.split(".")
+        assert config[section][name] == value, key
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert checkpoint["global_step"] == 4
+    assert ("current_model_state" in checkpoint) == ema  # EMAWeightAveraging appended to the base callbacks
+    names = [c["class_path"].rsplit(".", 1)[-1] for c in config["trainer"]["callbacks"]]
+    assert "ModelCheckpoint" in names and ("EMAWeightAveraging" in names) == ema
