@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import types
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from PIL import Image
 
 from datamodules import ImageFolderDataModule
@@ -192,3 +195,26 @@ def test_demo_data_is_stratified_and_idempotent(tmp_path):
     assert (out / "train" / "0").stat().st_mtime_ns == stamp
     with pytest.raises(FileExistsError):
         build_demo_data(tmp_path / "digits", size=32)  # other settings never overwrite a tree silently
+
+
+class _WorkerProbe(torch.utils.data.Dataset):
+    """Each item: random pixels from the worker's torch generator, and whether the worker's heap is frozen."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        return torch.randint(0, 256, (3, 2, 2), dtype=torch.uint8), int(gc.get_freeze_count() > 0)
+
+
+def test_loader_workers_freeze_the_inherited_heap_and_keep_lightnings_seeding(tmp_path):
+    root = make_image_folder(tmp_path / "images", {"a": 2, "b": 2}, splits=("train",), size=32)
+    data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=1, persistent_workers=False)
+    L.seed_everything(5, workers=True)  # what LightningCLI does: Lightning then seeds each worker
+    ours = next(iter(data._loader(_WorkerProbe(), shuffle=False)))
+    L.seed_everything(5, workers=True)
+    lightnings = next(iter(torch.utils.data.DataLoader(_WorkerProbe(), batch_size=4, num_workers=1,
+                                                       worker_init_fn=functools.partial(pl_worker_init_function,
+                                                                                        rank=0))))
+    assert ours[1].tolist() == [1, 1, 1, 1]  # frozen in the worker
+    assert torch.equal(ours[0], lightnings[0])  # and seeded exactly as Lightning seeds a worker
