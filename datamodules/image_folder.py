@@ -41,7 +41,7 @@ from datamodules.presets import (
     check_fast_decode,
     float_transform,
 )
-from datamodules.samplers import RepeatedAugmentationSampler
+from datamodules.samplers import BalancedSampler, RepeatedAugmentationSampler
 from datamodules.validation import ScanCache, bad_images_message, find_bad_images
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,9 @@ class ImageFolderDataModule(L.LightningDataModule):
             filled with the pixel that normalises to zero.
         repeated_augmentation: draw each training image this many times per draw, its copies on different ranks
             and augmented differently (3 in torchvision's V2 recipe); an epoch keeps its length. 1 is off.
+        sampler: ``random`` (each training image once per epoch) or ``balanced``: as many draws as images, with
+            replacement, weighted by class frequency ** -balance_power, shared out disjointly among the ranks.
+        balance_power: 1 draws every class equally often, 0.5 halfway (square-root sampling), 0 is uniform.
         prefetch_factor: batches each worker loads ahead.
         persistent_workers: keep loader processes alive between epochs.
         pin_memory: page-locked host memory for faster copies; null means "when training on CUDA".
@@ -227,6 +230,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         auto_augment_magnitude: int | None = None,
         random_erasing: float = 0.0,
         repeated_augmentation: int = 1,
+        sampler: Literal["random", "balanced"] = "random",
+        balance_power: float = 1.0,
         prefetch_factor: int = 2,
         persistent_workers: bool = True,
         pin_memory: bool | None = None,
@@ -260,6 +265,13 @@ class ImageFolderDataModule(L.LightningDataModule):
         if repeated_augmentation < 1:
             raise ValueError(f"data.repeated_augmentation={repeated_augmentation} must be at least 1 (1 is off)")
         self.repeated_augmentation = repeated_augmentation
+        if sampler not in ("random", "balanced"):
+            raise ValueError(f"data.sampler={sampler!r} is unknown; choose random or balanced")
+        if sampler == "balanced" and repeated_augmentation > 1:
+            raise ValueError("data.sampler=balanced and data.repeated_augmentation > 1 are two samplers; choose one")
+        if balance_power < 0:
+            raise ValueError(f"data.balance_power={balance_power} must be >= 0 (0 is uniform, 1 balances the classes)")
+        self.sampling, self.balance_power = sampler, balance_power
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
@@ -432,10 +444,12 @@ class ImageFolderDataModule(L.LightningDataModule):
             log.warning(f"data: {len(self.train_set)} training images over {world} process(es) give {per_process} "
                         f"per process, fewer than data.batch_size={self.batch_size}: each step trains on "
                         f"{per_process} per process")
-        sampler = None
-        if self.repeated_augmentation > 1:  # a DistributedSampler: Lightning keeps it, and calls its set_epoch
-            sampler = RepeatedAugmentationSampler(self.train_set, world, self.trainer.global_rank if self.trainer else 0,
-                                                  repeats=self.repeated_augmentation)
+        sampler, rank = None, self.trainer.global_rank if self.trainer else 0
+        # Both are DistributedSamplers: Lightning keeps them in place under DDP and calls their set_epoch.
+        if self.repeated_augmentation > 1:
+            sampler = RepeatedAugmentationSampler(self.train_set, world, rank, repeats=self.repeated_augmentation)
+        elif self.sampling == "balanced":
+            sampler = BalancedSampler(self.train_set.targets, world, rank, power=self.balance_power)
         return self._loader(self.train_set, shuffle=True, drop_last=per_process > self.batch_size, sampler=sampler)
 
     def _eval_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:

@@ -1,9 +1,11 @@
-"""Training samplers that Lightning leaves in place under DDP (they are DistributedSamplers): repeated augmentation."""
+"""Training samplers that Lightning leaves in place under DDP (they are DistributedSamplers): repeated augmentation
+and class-balanced sampling."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -35,6 +37,36 @@ class RepeatedAugmentationSampler(DistributedSampler):
         if len(repeated) < self.total_size:  # fewer images than ranks: wrap around, as DistributedSampler pads
             repeated = repeated.repeat(math.ceil(self.total_size / len(repeated)))
         return iter(repeated[self.rank:self.total_size:self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class BalancedSampler(DistributedSampler):
+    """Class-balanced sampling across all ranks: each epoch draws as many samples as the dataset holds, with
+    replacement, each sample weighted by its class's frequency to the power -`power` (1: every class equally often;
+    0.5: halfway, as in the square-root sampling of long-tailed recognition; 0: uniform).
+
+    The draw is seeded by (seed, epoch) and each rank takes every world-th position of it: disjoint shares of one
+    draw, so the classes are balanced over the global batch, and a resumed loader replays the epoch exactly.
+    """
+
+    def __init__(self, targets: np.ndarray, num_replicas: int, rank: int, *, power: float = 1.0, seed: int = 0) -> None:
+        if power < 0:
+            raise ValueError(f"data.balance_power={power} must be >= 0 (0 is uniform sampling, 1 balances the classes)")
+        super().__init__(range(len(targets)), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        counts = np.bincount(targets)
+        per_class = np.where(counts > 0, counts.astype(np.float64), np.inf) ** -power
+        self.weights = torch.from_numpy(per_class[targets])  # (N,): a sample's chance, up to normalisation
+        self.class_share = per_class * counts / (per_class * counts).sum()  # expected share of each class in a draw
+        self.num_samples = math.ceil(len(targets) / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self):
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        draw = torch.multinomial(self.weights, self.total_size, replacement=True, generator=generator)
+        return iter(draw[self.rank:self.total_size:self.num_replicas].tolist())
 
     def __len__(self) -> int:
         return self.num_samples
