@@ -35,6 +35,11 @@ def test_report_from_csv_log_writes_curves_and_summary(tmp_path, digits_root):
     assert row.split("|")[2].strip() == f"{last_val_acc:.4f}"
     assert any(line.startswith("| train/acc |") for line in md.splitlines())
     assert "![loss](loss.png)" in md and "../figures/confusion_matrix.png" in md
+    assert "../figures/per_class.png" in md  # the per-class chart (10 digits)
+    per_class = md.split("## Per class (last validation)", 1)[1].split("## Curves")[0]
+    rows = [line.split("|")[1:-1] for line in per_class.splitlines() if line.startswith("| ") and "class" not in line]
+    assert [r[0].strip() for r in rows] == [str(d) for d in range(10)]
+    assert all(0.0 <= float(v) <= 1.0 for r in rows for v in r[1:4])
     assert f"imgcls fit --config {run / 'config.yaml'}" in md
     assert "report.md" in proc.stdout
 
@@ -52,3 +57,25 @@ def test_tensorboard_reader_keeps_every_point(tmp_path):
             writer.add_scalar("train/loss", 1.0 / (step + 1), step)
     series = read_tensorboard(tmp_path)
     assert [s for s, _ in series["train/loss"]] == list(range(50))
+
+
+def test_per_class_scores_match_torchmetrics():
+    import numpy as np
+    import torch
+    from torchmetrics.functional.classification import (
+        multiclass_confusion_matrix,
+        multiclass_f1_score,
+        multiclass_precision,
+        multiclass_recall,
+    )
+
+    from training.figures import per_class_scores
+
+    torch.manual_seed(0)
+    target = torch.randint(0, 5, (300,))
+    preds = torch.where(torch.rand(300) < 0.6, target, torch.randint(0, 5, (300,)))
+    preds[preds == 4] = 3  # class 4 never predicted: precision 0 by convention
+    scores = per_class_scores(multiclass_confusion_matrix(preds, target, 5).numpy())
+    for k, fn in enumerate((multiclass_precision, multiclass_recall, multiclass_f1_score)):
+        assert np.allclose(scores[:, k], fn(preds, target, 5, average=None).numpy(), atol=1e-6)
+    assert scores[:, 3].tolist() == torch.bincount(target, minlength=5).tolist()

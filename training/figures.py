@@ -1,4 +1,5 @@
-"""Validation pictures for the dashboards: a confusion matrix and a grid of misclassified images, every epoch."""
+"""Validation pictures for the dashboards: a confusion matrix, per-class precision, recall and F1, and a grid of
+misclassified images, every epoch."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 
 class ValidationFigures(Callback):
-    """Logs `val/confusion_matrix` and `val/misclassified` to TensorBoard and W&B, and keeps the latest of each as a
-    PNG in `<run>/figures/` (for CSV-only runs and `imgcls report`), the matrix also as `confusion_matrix.csv`.
+    """Logs `val/confusion_matrix`, `val/per_class` and `val/misclassified` to TensorBoard and W&B, and keeps the
+    latest of each as a PNG in `<run>/figures/` (for CSV-only runs and `imgcls report`), the matrix also as
+    `confusion_matrix.csv` and the per-class precision, recall, F1 and support as `per_class.csv` (a text table in
+    TensorBoard, a table in W&B; the chart is drawn for up to 40 classes).
 
     The confusion matrix is a torchmetrics metric, so under DDP it counts every rank's images; the misclassified
     grid shows the first `max_images` mistakes that rank 0 sees (cheap: no extra forward pass, the logits are taken
@@ -80,8 +83,41 @@ class ValidationFigures(Callback):
         fig, ax = self.confusion.plot(val=matrix.cpu(), labels=names if len(names) <= 30 else None)
         ax.set_title(f"val confusion matrix, epoch {trainer.current_epoch}")
         _publish(trainer, "val/confusion_matrix", _figure_to_array(fig))
+        scores = per_class_scores(matrix.cpu().numpy())
+        _publish_table(trainer, "val/per_class", names, scores)
+        np.savetxt(out / "per_class.csv", scores, fmt=["%.6f", "%.6f", "%.6f", "%d"], delimiter=",",
+                   header="rows: " + ",".join(names) + "\nprecision,recall,f1,support")
+        if len(names) <= 40:
+            _publish(trainer, "val/per_class", per_class_chart(names, scores, trainer.current_epoch))
         _publish(trainer, "val/misclassified", misclassified_grid(self._mistakes, names))
         self._mistakes = []
+
+
+def per_class_scores(matrix: np.ndarray) -> np.ndarray:
+    """(C, C) confusion counts (rows: true class) -> (C, 4): precision, recall, F1 and support of each class.
+
+    A class never predicted has precision 0, one never present recall 0 (torchmetrics' convention for average=None).
+    """
+    tp = np.diag(matrix).astype(np.float64)
+    predicted, present = matrix.sum(axis=0), matrix.sum(axis=1)
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, present, out=np.zeros_like(tp), where=present > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=precision + recall > 0)
+    return np.stack([precision, recall, f1, present], axis=1)
+
+
+def per_class_chart(names: list[str], scores: np.ndarray, epoch: int) -> np.ndarray:
+    """Grouped bars of precision, recall and F1 per class: (H, W, 3) uint8."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(names) + 2), 3.6))
+    x = np.arange(len(names))
+    for k, label in enumerate(("precision", "recall", "F1")):
+        ax.bar(x + (k - 1) * 0.27, scores[:, k], width=0.27, label=label)
+    ax.set_xticks(x, names, rotation=45 if len(names) > 10 else 0, ha="right" if len(names) > 10 else "center")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"val per class, epoch {epoch}")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return _figure_to_array(fig)
 
 
 def misclassified_grid(mistakes: list[tuple[torch.Tensor, int, int]], names: list[str], *, cols: int = 4,
@@ -123,6 +159,19 @@ def _figure_to_array(fig: plt.Figure) -> np.ndarray:
     image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
     plt.close(fig)
     return image
+
+
+def _publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarray) -> None:
+    """Per-class scores as a table: Markdown text in TensorBoard, a wandb.Table in W&B."""
+    columns = ["class", "precision", "recall", "f1", "support"]
+    rows = [[name, *(round(float(v), 4) for v in row[:3]), int(row[3])] for name, row in zip(names, scores, strict=True)]
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            text = "\n".join(["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|",
+                              *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
+            logger.experiment.add_text(tag, text, global_step=trainer.global_step)
+        elif isinstance(logger, WandbLogger):
+            logger.log_table(key=tag, columns=columns, data=rows, step=trainer.global_step)
 
 
 def _publish(trainer: Trainer, tag: str, image: np.ndarray) -> None:

@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
 import yaml
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], sorted by step
@@ -107,6 +108,14 @@ def summary(run_dir: Path, series: Series, pngs: list[Path]) -> str:
         if not all(math.isfinite(v) for v in values):
             best = len(values) - 1
         lines.append(f"| {name} | {values[-1]:.4f} | {values[best]:.4f} | {steps[best]} |")
+    per_class = run_dir / "figures" / "per_class.csv"
+    if per_class.is_file():  # written by ValidationFigures at each validation: the last one's
+        names = per_class.read_text().splitlines()[0].removeprefix("# rows: ").split(",")
+        scores = np.loadtxt(per_class, delimiter=",", ndmin=2)
+        lines += ["", "## Per class (last validation)", "", "| class | precision | recall | F1 | support |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {name} | {p:.4f} | {r:.4f} | {f:.4f} | {int(n)} |"
+                  for name, (p, r, f, n) in zip(names, scores, strict=True)]
     lines += ["", "## Curves", ""] + [f"![{p.stem}]({p.name})" for p in pngs]
     figures = sorted((run_dir / "figures").glob("*.png"))
     if figures:
