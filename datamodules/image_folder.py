@@ -22,6 +22,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchvision.transforms.v2 import functional as TF
 
 from datamodules import hardware
 from datamodules.images import (
@@ -183,6 +184,10 @@ class ImageFolderDataModule(L.LightningDataModule):
             (torchvision's V2 recipe trains at 176 and evaluates at 224): the random crops enlarge objects, and
             evaluating larger makes up for it.
         eval_image_size: side of the validation, test and prediction images, null = image_size.
+        progressive_resizing: epoch -> training image side from that epoch on, e.g. ``{0: 128, 6: 160, 12: 176}``
+            (progressive resizing, as in FFCV and Composer: small, fast images early, full size late). The loaders
+            keep producing train_image_size crops; each training batch is resized on the device, before
+            normalisation. Validation keeps eval_image_size. null is off.
         auto_augment: automatic augmentation policy of the training images (torchvision v2, on uint8): ``none``,
             ``trivialaugment`` (TrivialAugmentWide, torchvision's V2 recipe), ``randaugment``, ``autoaugment``
             (ImageNet policy) or ``augmix``.
@@ -226,6 +231,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         image_size: int = 224,
         train_image_size: int | None = None,
         eval_image_size: int | None = None,
+        progressive_resizing: dict[int, int] | None = None,
         auto_augment: AutoAugment = "none",
         auto_augment_magnitude: int | None = None,
         random_erasing: float = 0.0,
@@ -259,6 +265,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.image_size = image_size
         self.train_image_size = train_image_size or image_size
         self.eval_image_size = eval_image_size or image_size
+        self.progressive_resizing = _check_schedule(progressive_resizing, self.train_image_size)
         self.augment = dict(auto_augment=auto_augment, auto_augment_magnitude=auto_augment_magnitude,
                             random_erasing=random_erasing)
         ClassificationPresetTrain(preset=preset, image_size=self.train_image_size, **self.augment)  # checks the keys
@@ -484,9 +491,18 @@ class ImageFolderDataModule(L.LightningDataModule):
             train = trainer is not None and trainer.training
             seed = _augment_seed(trainer) if train else None
             x = self.augment_batch(x, y.device, train=train, seed=seed)
+        if self.progressive_resizing and self.trainer is not None and self.trainer.training:
+            side = self.train_side(self.trainer.current_epoch)
+            if side != x.shape[-1]:
+                x = TF.resize(x, [side, side], antialias=True)  # (B, 3, side, side), uint8 stays uint8
         if x.dtype == torch.uint8:
             x = self.float_transform(x)
         return x, y
+
+    def train_side(self, epoch: int) -> int:
+        """The training image side at `epoch`: the progressive_resizing entry in force, else train_image_size."""
+        due = [e for e in self.progressive_resizing or {} if e <= epoch]
+        return self.progressive_resizing[max(due)] if due else self.train_image_size
 
     def augment_batch(self, items: list[torch.Tensor], device: torch.device | str, *, train: bool,
                       seed: int | None = None) -> torch.Tensor:
@@ -533,6 +549,17 @@ def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = Non
     """
     base = int(os.environ.get("PL_GLOBAL_SEED", 0)) if base is None else base
     return (((base * 1_000_003 + batch) * 1_009 + rank) * 7 + stream) % (2**63)
+
+
+def _check_schedule(schedule: dict[int, int] | None, train_size: int) -> dict[int, int] | None:
+    if not schedule:
+        return None
+    schedule = {int(epoch): int(side) for epoch, side in schedule.items()}
+    bad = {e: s for e, s in schedule.items() if e < 0 or not 32 <= s <= train_size}
+    if bad:
+        raise ValueError(f"data.progressive_resizing has entries {bad}: epochs must be >= 0 and sides between 32 and "
+                         f"data.train_image_size={train_size} (the loaders' crop size, which batches are resized from)")
+    return dict(sorted(schedule.items()))
 
 
 def _check_args(batch_size, num_workers, val_split, preset, sizes: dict[str, int | None], bad_images) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -98,3 +100,24 @@ def test_the_datamodule_trains_at_train_image_size_and_evaluates_at_eval_image_s
         ImageFolderDataModule(root=str(root), eval_image_size=16)
     with pytest.raises(ValueError, match="data.auto_augment='flip' is unknown"):
         ImageFolderDataModule(root=str(root), auto_augment="flip")
+
+
+def test_progressive_resizing_follows_its_schedule_on_training_batches_only(tmp_path):
+    root = make_image_folder(tmp_path / "images", {"a": 4, "b": 4}, size=64)
+    data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=64,
+                                 progressive_resizing={0: 32, 2: 48, 4: 64})
+    data.setup("fit")
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape[-1] == 64 and x.dtype == torch.uint8  # the loaders keep producing full-size crops
+    data.trainer = types.SimpleNamespace(training=True, current_epoch=0)
+    sides = []
+    for epoch in range(6):
+        data.trainer.current_epoch = epoch
+        out, _ = data.on_after_batch_transfer((x, y), 0)
+        sides.append(out.shape[-1])
+        assert out.dtype == torch.float32
+    assert sides == [32, 32, 48, 48, 64, 64]
+    data.trainer.current_epoch, data.trainer.training = 0, False  # validation keeps its size
+    assert data.on_after_batch_transfer((x, y), 0)[0].shape[-1] == 64
+    with pytest.raises(ValueError, match=r"data.progressive_resizing has entries \{3: 96\}"):
+        ImageFolderDataModule(root=str(root), image_size=64, progressive_resizing={0: 32, 3: 96})

@@ -31,7 +31,9 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
             *TINY, "--data.root", str(images), "--data.batch_size", "4", "--data.train_image_size", "32",
             "--data.eval_image_size", "40", "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2",
             "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
-            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run), env=cli_env())
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run),
+            # and the image side grown from 32 to 40 px in the second epoch
+            "--data.train_image_size", "40", "--data.progressive_resizing", "{0: 32, 1: 40}", env=cli_env())
     config = yaml.safe_load((run / "config.yaml").read_text())
     for key, value in expected.items():
         section, name = key.split(".")
