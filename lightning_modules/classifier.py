@@ -9,8 +9,10 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from torchvision.transforms import v2
@@ -53,7 +55,8 @@ class ImageClassifier(L.LightningModule):
             gets one of the two, at even odds (v2.RandomChoice). They run on the device, on the normalised batch; the
             loss takes the mixed soft targets, and train/acc scores the argmax of the mixed target.
         backbone_lr_ratio: backbone lr / head lr, e.g. 0.1 to fine-tune the pretrained layers gently.
-        freeze_backbone_epochs: keep the backbone frozen (no updates, BatchNorm statistics fixed) this many epochs.
+        freeze_backbone_epochs: keep the backbone frozen this many epochs: no gradients, no backward pass through
+            it, no optimizer state for it, BatchNorm statistics fixed.
         batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
         channels_last: NHWC memory format; ``auto`` turns it on where it was measured faster (CUDA, x86 CPUs with
             AVX2), see datamodules/hardware.py.
@@ -126,6 +129,8 @@ class ImageClassifier(L.LightningModule):
             rank_zero_info("model levers on " + device + ": " + "; ".join(reasons))
         if self.levers["channels_last"] and not self._channels_last:
             self._set_channels_last()
+        if self.hparams.freeze_backbone_epochs and self._trainer is not None and self._trainer.state.fn == "fit":
+            self._set_backbone_trainable(not self.backbone_frozen())  # before the strategy wraps the model
         if self.levers["compile"] and not getattr(self.net, "_compiled_call_impl", None):
             self.net.compile()  # in place: nn.Module.compile keeps the state-dict keys
 
@@ -198,14 +203,25 @@ class ImageClassifier(L.LightningModule):
         }
 
     # ---- fine-tuning: frozen backbone ----------------------------------------------------------------------
-    # A typed option rather than Lightning's BackboneFinetuning: that callback flips requires_grad and adds param
-    # groups mid-run, and DDP registers its gradient hooks once, at wrap time (a later-unfrozen parameter would
-    # never be all-reduced), while an added param group escapes the LR schedule. Here the backbone groups exist from
-    # the start and the schedule holds their LR at zero while frozen; BatchNorm statistics stay fixed too.
+    # Frozen means requires_grad off (as Lightning's BackboneFinetuning does): no backward pass runs through the
+    # backbone, and its parameters get no gradient, so the optimizer builds no momentum or Adam moments for them.
+    # Unlike BackboneFinetuning, the backbone's parameter groups exist from the start (the LR schedule covers them);
+    # and since DDP registers gradient hooks only for the parameters that require a gradient when it wraps the model,
+    # the model is wrapped again when the backbone thaws. BatchNorm statistics stay fixed while frozen.
 
     def backbone_frozen(self) -> bool:
         trainer = self._trainer
         return trainer is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
+
+    def _set_backbone_trainable(self, trainable: bool) -> bool:
+        """requires_grad of every backbone parameter; True when that changed anything."""
+        prefix = head_prefix(self.net)
+        changed = False
+        for name, p in self.net.named_parameters():
+            if not name.startswith(prefix) and p.requires_grad != trainable:
+                p.requires_grad_(trainable)
+                changed = True
+        return changed
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -216,6 +232,13 @@ class ImageClassifier(L.LightningModule):
         return self
 
     def on_train_epoch_start(self) -> None:
+        # At the thaw epoch, and at a resume past it (the loops' epoch is restored after DDP wrapped the model).
+        if self.hparams.freeze_backbone_epochs and self._set_backbone_trainable(not self.backbone_frozen()):
+            strategy = self.trainer.strategy
+            if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+                strategy.model = self  # unwrapped, then wrapped again with the backbone's gradient hooks
+                strategy.configure_ddp()
+                rank_zero_info(f"backbone unfrozen at epoch {self.current_epoch}: DDP re-wrapped the model")
         self.train(self.training)  # re-apply the frozen-BatchNorm rule as epochs advance
 
     # ---- optimisation ---------------------------------------------------------------------------------------

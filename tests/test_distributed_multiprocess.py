@@ -253,6 +253,9 @@ def test_torchrun_two_nodes_with_elastic_restart_resume(tmp_path, folder):
         *_strategy_args(compression="fp16", timeout_s=120),
         # Rank 3 (node 1) dies at step 3, after epoch 0's last.ckpt: torchrun restarts every worker once.
         *_probe_args(out, fail_rank=3, fail_step=3), "--ckpt_path", "last",
+        # The backbone thaws at epoch 1, where the restarted workers resume: DDP must be wrapped again to all-reduce
+        # its gradients, or the 4 ranks' weights part (the equal digests below).
+        "--model.freeze_backbone_epochs", "1",
     ]
     nodes = [
         subprocess.Popen(

@@ -171,13 +171,42 @@ def _fit(root, epochs: int | None = 1, callbacks=(), trainer_kwargs: dict | None
     return model, before
 
 
+class _BackwardThrough(Callback):
+    """Per epoch: backward passes through the backbone's first block, and the backbone parameters that have an
+    optimizer state at the epoch's end."""
+
+    def __init__(self) -> None:
+        self.backward, self.with_state = [], []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pl_module.net.layer1.register_full_backward_hook(lambda *args: self.backward.__setitem__(-1,
+                                                                                                 self.backward[-1] + 1))
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.backward.append(0)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        state = trainer.optimizers[0].state
+        self.with_state.append(sum(1 for n, p in pl_module.net.named_parameters() if not n.startswith("fc.")
+                                   and state.get(p)))
+
+
 def test_frozen_backbone_stays_fixed_while_the_head_learns(tmp_path):
     make_image_folder(tmp_path, {"a": 6, "b": 6}, size=32)
-    model, before = _fit(tmp_path, freeze_backbone_epochs=1)
+    probe = _BackwardThrough()
+    model, before = _fit(tmp_path, freeze_backbone_epochs=1, callbacks=[probe])
     after = model.net.state_dict()
     backbone = [k for k in before if not k.startswith("fc.")]
     assert all(torch.equal(before[k], after[k]) for k in backbone)  # weights and BatchNorm statistics
     assert not torch.equal(before["fc.0.weight"], after["fc.0.weight"])
+    # Really frozen: no backward pass through it, no momentum built up for it (only its learning rate at 0 before)
+    assert probe.backward == [0] and probe.with_state == [0]
+
+    probe = _BackwardThrough()
+    model, before = _fit(tmp_path, epochs=2, freeze_backbone_epochs=1, callbacks=[probe])
+    assert probe.backward[0] == 0 and probe.backward[1] > 0  # thawed at epoch 1
+    assert probe.with_state[0] == 0 and probe.with_state[1] > 0
+    assert not torch.equal(before["conv1.weight"], model.net.state_dict()["conv1.weight"])
 
     model, before = _fit(tmp_path, freeze_backbone_epochs=0)
     assert not torch.equal(before["conv1.weight"], model.net.state_dict()["conv1.weight"])
