@@ -231,8 +231,16 @@ class ImageClassifier(L.LightningModule):
                     module.eval()
         return self
 
+    def on_train_start(self) -> None:
+        # Every fit start, resumes included: Lightning skips on_train_epoch_start when it resumes mid-epoch, and
+        # restores the loops' epoch only after DDP wrapped the model.
+        self._apply_freeze()
+
     def on_train_epoch_start(self) -> None:
-        # At the thaw epoch, and at a resume past it (the loops' epoch is restored after DDP wrapped the model).
+        self._apply_freeze()  # the thaw epoch
+
+    def _apply_freeze(self) -> None:
+        """requires_grad and the BatchNorm mode of the backbone for the current epoch; DDP re-wrapped if they changed."""
         if self.hparams.freeze_backbone_epochs and self._set_backbone_trainable(not self.backbone_frozen()):
             strategy = self.trainer.strategy
             if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):

@@ -37,8 +37,8 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's
     synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `recipe`
     turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat, repeated augmentation
-    (its sampler's order), and an EMA of the weights (Lightning's EMAWeightAveraging), whose average a resume must
-    carry on.
+    (its sampler's order), an EMA of the weights (Lightning's EMAWeightAveraging), whose average a resume must
+    carry on, and a backbone frozen for epoch 0, which the kills before and after its thaw must not disturb.
     """
     cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
@@ -55,7 +55,7 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     cfg["trainer"]["callbacks"] = callbacks
     cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
     if recipe:
-        cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0)
+        cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0, freeze_backbone_epochs=1)  # thaws at epoch 1
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
     if recipe:
