@@ -18,7 +18,7 @@ from benchmarks.common import machine
 ROOT = Path(__file__).resolve().parents[1]
 # Order of the sections in docs/PERFORMANCE.md.
 BENCHMARKS = ("hardware", "input_pipeline", "scan_cache", "worker_memory", "loop_overhead", "compute_levers",
-              "distributed", "time_to_accuracy", "gpu_throughput")
+              "distributed", "time_to_accuracy", "recipe", "gpu_throughput")
 
 INTRO = """# Performance
 

@@ -68,6 +68,10 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     assert tta[0][1:3] == ["time to 97% val/acc (median)", "time to 99% val/acc (median)"]
     assert "Target, imgcls within 1.2x of the plain loop's time to 97%" in text
 
+    recipe = tables["Recipe ablation"]
+    assert recipe[0] == ["variant", "val/acc (median)", "vs baseline, points", "per seed", "s / epoch (median)"]
+    assert [r[0] for r in recipe[1:]] == ["all of the above"] and 0 <= float(recipe[1][1].rstrip(" %")) <= 100
+
     gpu = text.split("## GPU throughput", 1)[1]
     assert ("Skipped: no CUDA device" in gpu) == (not torch.cuda.is_available())
     distributed = tables["Distributed: gradient compression (CPU, gloo)"]
