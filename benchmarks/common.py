@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import tempfile
@@ -119,6 +120,15 @@ def photo_folder(count: int, *, width: int = 500, height: int = 375, classes: in
 def mean_jpeg_kb(root: Path) -> float:
     sizes = [p.stat().st_size for p in root.glob("train/*/*.jpg")]
     return sum(sizes) / len(sizes) / 1e3
+
+
+def store(result: dict, path: Path, quick: bool) -> dict:
+    """`result` written to `path` (benchmarks/results/, JSON) by a full run, the source of its docs section; a quick
+    run only checks that the benchmark runs, and keeps nothing."""
+    if not quick:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def standalone(main: Callable[[bool], str], doc: str) -> None:

@@ -9,13 +9,12 @@ final val/acc and the wall time per epoch: on small, easy data some ingredients 
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import section, standalone, table
+from benchmarks.common import section, standalone, store, table
 from benchmarks.time_to_accuracy import ROOT, _seconds_per_epoch, _timed
 from datamodules.demo import build_demo_data
 
@@ -87,11 +86,7 @@ def render(result: dict) -> str:
 
 
 def main(quick: bool = False) -> str:
-    result = measure(quick)
-    if not quick:  # checks only: stored figures are full-size runs
-        RESULT.parent.mkdir(parents=True, exist_ok=True)
-        RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    return render(result)
+    return render(store(measure(quick), RESULT, quick))
 
 
 if __name__ == "__main__":

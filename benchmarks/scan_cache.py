@@ -13,7 +13,6 @@ cold disk. Full runs store their figures in benchmarks/results/scan_cache.json.
 from __future__ import annotations
 
 import io
-import json
 import os
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import machine, standalone, table, verdict
+from benchmarks.common import machine, standalone, store, table, verdict
 from datamodules.images import find_classes, scan_split
 from datamodules.validation import ScanCache, find_bad_images
 
@@ -121,11 +120,7 @@ def render(r: dict) -> str:
 
 
 def main(quick: bool = False) -> str:
-    result = measure(2_000 if quick else 100_000, reps=2 if quick else 5)
-    if not quick:  # checks only: stored figures are full-size runs
-        RESULT.parent.mkdir(parents=True, exist_ok=True)
-        RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    return render(result)
+    return render(store(measure(2_000 if quick else 100_000, reps=2 if quick else 5), RESULT, quick))
 
 
 if __name__ == "__main__":

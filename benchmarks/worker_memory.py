@@ -15,7 +15,6 @@ Full runs store their figures in benchmarks/results/worker_memory.json.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.common import machine, standalone, table
+from benchmarks.common import machine, standalone, store, table
 from datamodules.image_folder import ImageFiles, PathArray, _worker_init
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,11 +182,7 @@ def render(result: dict) -> str:
 def main(quick: bool = False) -> str:
     if not Path("/proc/self/smaps_rollup").is_file():
         return "## Loader-worker memory\n\nSkipped: needs Linux (/proc/PID/smaps_rollup).\n"
-    result = measure(5_000 if quick else IMAGENET_TRAIN, 256 if quick else 1024)
-    if not quick:  # checks only: stored figures are full-size runs
-        RESULT.parent.mkdir(parents=True, exist_ok=True)
-        RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    return render(result)
+    return render(store(measure(5_000 if quick else IMAGENET_TRAIN, 256 if quick else 1024), RESULT, quick))
 
 
 if __name__ == "__main__":
