@@ -448,3 +448,16 @@ def test_users_own_model_checkpoints_save_what_they_ask_for(tmp_path, digits_roo
     assert named and all(Path(path).is_file() for path in named), summary
     for variant, (_, expected) in USER_CHECKPOINTS.items():
         assert f"{folders[variant]}: {len(expected)} file(s)" in summary
+
+
+def test_resume_looks_in_every_checkpoint_folder_of_the_run(tmp_path):
+    """A user's ModelCheckpoint writing to its own dirpath beside the run's checkpoints/ (where the shipped callback and
+    the preemption save write): `last` takes the newest intact file of either, not only the first folder's."""
+    io = AtomicCheckpointIO()
+    mine, run = tmp_path / "mine", tmp_path / "checkpoints"
+    io.save_checkpoint(_ckpt(1.0), mine / "epoch=0-step=2.ckpt")
+    time.sleep(0.01)
+    io.save_checkpoint(_ckpt(2.0), run / "preempted.ckpt")
+    assert resolve_resume("last", [run, mine], auto_resume=False).path == str(run / "preempted.ckpt")
+    assert resolve_resume("last", [mine, run], auto_resume=False).path == str(run / "preempted.ckpt")
+    assert resolve_resume(None, [tmp_path / "none", mine], auto_resume=True).path == str(mine / "epoch=0-step=2.ckpt")

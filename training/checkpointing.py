@@ -252,14 +252,16 @@ class ResumePlan:
     unusable: tuple[Path, ...] = ()
 
 
-def newest_intact_checkpoint(folder: Path, first: Path | None = None) -> tuple[Path | None, list[Path]]:
-    """(the newest intact `*.ckpt` of `folder`, the unusable ones newer than it); `first` is tried before the others.
+def newest_intact_checkpoint(folder: Path | list[Path], first: Path | None = None) -> tuple[Path | None, list[Path]]:
+    """(the newest intact `*.ckpt` of `folder` (or of several), the unusable ones newer than it); `first` is tried
+    before the others.
 
     Read-only: every rank of a job may run it at once. Each unusable file is reported; `tidy_checkpoint_folders`
     moves them aside once the ranks have agreed (`agree_on_resume`).
     """
+    folders = [folder] if isinstance(folder, Path) else list(dict.fromkeys(folder))
     candidates = []
-    for p in folder.glob("*.ckpt"):
+    for p in (p for f in folders if f.is_dir() for p in f.glob("*.ckpt")):
         with contextlib.suppress(FileNotFoundError):  # removed since the listing (an older job still tidying)
             if not p.name.startswith("."):
                 candidates.append(((p.stat().st_mtime_ns, p.name == "last.ckpt"), p))
@@ -277,21 +279,22 @@ def newest_intact_checkpoint(folder: Path, first: Path | None = None) -> tuple[P
     return None, unusable
 
 
-def resolve_resume(ckpt_path: str | None, ckpt_dir: Path, auto_resume: bool) -> ResumePlan:
+def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | list[Path], auto_resume: bool) -> ResumePlan:
     """The checkpoint `fit` should resume from, as this process sees the disk (read-only).
 
-    `last` (or `auto_resume` with no ckpt_path) means the newest intact checkpoint of the run's checkpoint folder,
-    whichever callback wrote it (the step-interval one or the best-k one). An explicit path that is broken falls
+    `last` (or `auto_resume` with no ckpt_path) means the newest intact checkpoint of the run's checkpoint folders
+    (`ckpt_dir`: one, or every folder the run's callbacks write to), whichever callback wrote it. An explicit path that is broken falls
     back to the newest intact checkpoint of its own folder. Under several processes, rank 0's plan is the one that
     every rank follows (`agree_on_resume`, once the process group is up).
     """
     if ckpt_path is None and not auto_resume:
         return ResumePlan(None)
     if ckpt_path in (None, "last"):
-        found, unusable = newest_intact_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else (None, [])
+        found, unusable = newest_intact_checkpoint(ckpt_dir)
         if found is None:
             if ckpt_path == "last":
-                rank_zero_warn(f"--ckpt_path last: no intact checkpoint in {ckpt_dir}; training from scratch")
+                shown = ckpt_dir if isinstance(ckpt_dir, Path) else ", ".join(map(str, ckpt_dir))
+                rank_zero_warn(f"--ckpt_path last: no intact checkpoint in {shown}; training from scratch")
             return ResumePlan(None, tuple(unusable))
         rank_zero_info(f"resuming from {found} ({'auto_resume' if ckpt_path is None else '--ckpt_path last'})")
         return ResumePlan(str(found), tuple(unusable))

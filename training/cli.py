@@ -88,9 +88,11 @@ class ImgclsCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config.get(subcommand) if subcommand else None
         if subcommand == "fit":
-            dirs = [c.init_args.dirpath for c in _checkpoint_callbacks(config) if c.init_args.dirpath]
-            ckpt_dir = Path(dirs[0]) if dirs else _run_dir(config) / "checkpoints"
-            self.resume_plan = resolve_resume(config.ckpt_path, ckpt_dir, config.auto_resume)  # read-only
+            # Every folder a checkpoint of this run can be in: each callback's, and the run's own (a callback with no
+            # dirpath, and the preemption save, write there).
+            run_checkpoints = _run_dir(config) / "checkpoints"
+            folders = [Path(c.init_args.dirpath) for c in _checkpoint_callbacks(config) if c.init_args.dirpath]
+            self.resume_plan = resolve_resume(config.ckpt_path, [run_checkpoints, *folders], config.auto_resume)
             config.ckpt_path = self.resume_plan.path
         try:
             super()._parse_ckpt_path()
