@@ -36,9 +36,9 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
 
     `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's
     synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `recipe`
-    turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat, repeated augmentation
-    (its sampler's order), an EMA of the weights (Lightning's EMAWeightAveraging), whose average a resume must
-    carry on, and a backbone frozen for epoch 0, which the kills before and after its thaw must not disturb.
+    turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat, an EMA of the weights
+    (Lightning's EMAWeightAveraging), whose average a resume must carry on, and a backbone frozen for epoch 0,
+    which the kills before and after its thaw must not disturb.
     """
     cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
@@ -58,8 +58,6 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
         cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0, freeze_backbone_epochs=1)  # thaws at epoch 1
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
-    if recipe:
-        cfg["data"].update(repeated_augmentation=2)
     assert cfg["auto_resume"] is True  # shipped on
     path = tmp_path / f"config{devices}{'_recipe' if recipe else ''}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -141,8 +139,9 @@ def test_sigkill_of_a_ddp_job_at_any_point_resumes_to_identical_weights(tmp_path
     """2-process DDP (gloo): every rank is killed at the same point, as when a node is lost; the same command
     resumes on both ranks. The kill points follow one another in one run folder: each resumed run is killed at the
     next point, and the last resume runs to the end, with the weights of the run that was never killed. Mixup,
-    CutMix, repeated augmentation and an EMA of the weights are on: each rank's draws and sampler order must repeat
-    after a resume, and the average go on."""
+    CutMix, an EMA of the weights and a backbone frozen for epoch 0 are on: each rank's draws must repeat after a
+    resume, the average go on, and the thaw happen at the same step. (The training samplers' replay is
+    tests/test_samplers.py's; here Lightning's own DistributedSampler, the shipped path, is resumed.)"""
     config = _config(tmp_path, data, devices=2, recipe=True)
     _fit(config, tmp_path / "reference")
     run = tmp_path / "killed"
