@@ -176,14 +176,13 @@ def cases(draw) -> Case:
 
 # Cases found by this test, kept as strict-xfail examples until training/ fixes them (issue 11); each fails today,
 # and `known_defect` keeps the drawn cases out of their way.
-LOST_SAVE = "issue 11: a step save is lost"
 SKIPPED_SHUFFLE = "issue 11: a resume from a checkpoint of an epoch's end skips a shuffle"
 LOST_GRADIENTS = "issue 11: a checkpoint inside an accumulation window lacks its gradients"
 SAVED_TWICE = "issue 11: after a resume under accumulation, the resumed step is saved again"
-# A step save is lost where the user's ModelCheckpoint saves at the epoch's end although validations run within the
-# epoch: ExactResume holds the save past the validation until the next batch end, and then gives it that batch's
-# step. `val_check_interval: 1` (an int: every batch; Lightning takes 1 for 1.0) loses steps 1 and 4 here;
-# `save_on_train_epoch_end: true` with `val_check_interval: 0.5` does the same.
+# Found and fixed: a step save was lost where the user's ModelCheckpoint saves at the epoch's end although
+# validations run within the epoch (ExactResume held the save past the validation until the next batch end, and gave
+# it that batch's step). `val_check_interval: 1` (an int: every batch; Lightning takes 1 for 1.0) lost steps 1 and 4
+# here; `save_on_train_epoch_end: true` with `val_check_interval: 0.5` did the same. Kept as a plain example.
 EVERY_BATCH_VALIDATES = Case(
     {"limit_train_batches": 3, "accumulate_grad_batches": 1, "val_check_interval": 1, "check_val_every_n_epoch": 1,
      "max_epochs": 2, "max_steps": -1},
@@ -219,9 +218,6 @@ def known_defect(case: Case) -> str | None:
     events = timeline(case.trainer)
     written = writes(case.trainer, case.checkpoint, events)
     step_saves = case.checkpoint.get("monitor") is None and "every_n_epochs" not in case.checkpoint
-    if step_saves and saves_at_epoch_end(case.trainer, case.checkpoint) and any(
-            kind == "val" and events[i + 1][0] != "epoch" for i, (kind, _, _) in enumerate(events)):
-        return LOST_SAVE
     kill_at = next(i for i, where, step in kill_points(events) if (where, step) == case.kill)
     before = [i for i, _, _ in written if i < kill_at]
     # What the resume may start from: the newest checkpoint (a monitored top-k one: any, by the metric's values).
@@ -312,7 +308,7 @@ def _step(path: Path) -> int:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
-@example(case=EVERY_BATCH_VALIDATES).xfail(raises=AssertionError, reason=LOST_SAVE)
+@example(case=EVERY_BATCH_VALIDATES)  # fixed: ExactResume flushes held step saves at every validation end
 @example(case=RESUMED_AFTER_CLOSING_VALIDATION).xfail(raises=AssertionError, reason=SKIPPED_SHUFFLE)
 @example(case=VALIDATION_MID_ACCUMULATION).xfail(raises=AssertionError, reason=LOST_GRADIENTS)
 @example(case=SAVED_AGAIN_AFTER_RESUME).xfail(raises=AssertionError, reason=SAVED_TWICE)

@@ -107,16 +107,17 @@ class ExactResume(Callback):
         self._deferred_args = (outputs, batch, batch_idx)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Where Lightning saves after a validation (not at the epoch's end), the deferred step save goes there too.
-        self._flush_deferred(trainer, pl_module, lambda c: not c._should_save_on_train_epoch_end(trainer))
+        # The validation that followed the step has ended, at the same global step: every deferred step save is due
+        # now, also for a callback that saves its epoch files at the epoch's end (validations may run inside the
+        # epoch: a later flush would give the save the step of a later batch, where it is not due).
+        self._flush_deferred(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush_deferred(trainer, pl_module)  # just before ModelCheckpoint's own epoch-end saves
 
-    def _flush_deferred(self, trainer: Trainer, pl_module: LightningModule, due=lambda callback: True) -> None:
+    def _flush_deferred(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Give each deferred ModelCheckpoint its step save now (it decides itself whether the step is due)."""
-        flushed = [(c, previous) for c, previous in self._deferred if due(c)]
-        self._deferred = [entry for entry in self._deferred if entry not in flushed]
+        flushed, self._deferred = self._deferred, []
         for callback, previous in flushed:
             callback._last_global_step_saved = previous
             callback.on_train_batch_end(trainer, pl_module, *self._deferred_args)
