@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import section, standalone, store, table
+from benchmarks.common import standalone, store, table
 from benchmarks.time_to_accuracy import ROOT, _seconds_per_epoch, _timed
 from datamodules.demo import build_demo_data
 
@@ -75,14 +75,18 @@ def render(result: dict) -> str:
                      statistics.median(r["s_per_epoch"] for r in per_seed)])
     body = table(["variant", "val/acc (median)", "vs baseline, points", "per seed", "s / epoch (median)"], rows)
     helped = [name for name, _, delta, *_ in rows[1:] if float(delta) > 0]
-    body += ("\n\nOn this small, easy data (the demo digits, a few epochs) the ingredients that "
-             "raised the median val/acc: " + (", ".join(helped) if helped else "none") + ". The others did not: "
-             "they regularise, and need longer schedules and harder data to pay off (torchvision's V2 recipe runs "
-             "600 epochs on ImageNet).")
-    return section("Recipe ablation", body,
-                   f"imgcls fit of configs/quickstart.yaml with model.arch resnet18, 32 px, {result['epochs']} epochs, "
-                   f"seeds {', '.join(map(str, result['seeds']))}; val/acc after the last epoch, medians over the "
-                   "seeds; s / epoch is the median wall time between validations. `python -m benchmarks.recipe`")
+    body += ("\n\nOn this small, easy data (the demo digits, a few epochs) the ingredients that raised the median "
+             "val/acc: " + (", ".join(helped) if helped else "none") + ". The augmentations and mixing regularise, "
+             "and need longer schedules and harder data to pay off (torchvision's V2 recipe runs 600 epochs on "
+             "ImageNet). Two rows fail for reasons of scale, not of code: an EMA with this decay averages over more "
+             "steps than these few epochs hold, so the average still carries much of the initial weights; and FixRes "
+             "on a network trained at 32 px changes its last feature map from 1x1 to 2x2 at 40 px, features it never "
+             "saw (FixRes pays at ImageNet sizes, 176 to 224 px). Seconds per epoch are wall times on a machine that "
+             "other jobs shared during the run (see the load average below): compare them with care.")
+    settings = (f"imgcls fit of configs/quickstart.yaml with model.arch resnet18, 32 px, {result['epochs']} epochs, "
+                f"seeds {', '.join(map(str, result['seeds']))}; val/acc after the last epoch, medians over the seeds; "
+                "s / epoch is the median wall time between validations. `python -m benchmarks.recipe`")
+    return f"## Recipe ablation\n\n{body}\n\n_{settings}. Machine: {result['machine']}._\n"  # the run's machine
 
 
 def main(quick: bool = False) -> str:
