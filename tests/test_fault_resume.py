@@ -94,33 +94,42 @@ def data(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
+    """The kill points follow one another in one run folder, as in the DDP test below, in an order where each resume
+    but the first trains steps that the end weights keep: killed during epoch 0's validation; resumed and killed
+    after step 3; resumed by --ckpt_path last and killed after step 5; resumed past a truncated last.ckpt to the end,
+    with the weights of the run that was never killed."""
     config = _config(tmp_path, data)
     _fit(config, tmp_path / "reference")
     reference = _weights(tmp_path / "reference")
-    report = {}
-    for step, where, expected in KILL_POINTS:
-        run = tmp_path / f"kill_{where}{step}"
-        _kill(config, run, step, where)
-        checkpoints = run / "checkpoints"
-        if step == 3:
-            # The issue's command: the same one plus --ckpt_path last; auto_resume off, so that the flag does it.
-            resumed = _fit(config, run, "--ckpt_path", "last", "--auto_resume", "false")
-            assert _resumed_from(resumed) == (checkpoints / expected, "--ckpt_path last")
-        elif step == 5:  # last.ckpt half-written (a crash of a non-atomic writer): falls back to the newest intact one
-            last = checkpoints / expected
-            # A new, truncated file under the name (last.ckpt shares its data with the best-k file of its step)
-            truncated = last.read_bytes()[:1000]
-            last.unlink()
-            last.write_bytes(truncated)
-            resumed = _fit(config, run)
-            assert f"checkpoint {last} is unusable: truncated" in resumed.stdout + resumed.stderr
-            resumed_from, how = _resumed_from(resumed)
-            # epoch 0's best, written with last.ckpt at the end of its validation
-            assert resumed_from.parent == checkpoints and resumed_from.name.startswith("epoch000-"), resumed_from
-            assert how == "auto_resume"
-        else:  # the same command again: auto_resume
-            assert _resumed_from(_fit(config, run)) == (checkpoints / expected, "auto_resume")
-        report[(step, where)] = max_diff(reference, _weights(run))
+    run = tmp_path / "killed"
+    checkpoints = run / "checkpoints"
+    expected = {(step, where): checkpoints / name for step, where, name in KILL_POINTS}
+    assert sorted(expected) == [(3, "train"), (4, "val"), (5, "train")]  # the chain below covers each of them
+    # During epoch 0's validation: step 4's checkpoint is only written once that validation has ended (a resume
+    # from a checkpoint taken before it would skip the validation). The same command again: auto_resume.
+    _kill(config, run, 4, "val")
+    killed = _fit(config, run, *kill_args(3, "train"), check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert _resumed_from(killed) == (expected[(4, "val")], "auto_resume")
+    # Mid-epoch 0: the issue's command, the same one plus --ckpt_path last; auto_resume off, so that the flag does
+    # it. This run trains on to step 5: the checkpoints of epoch 0's end that the last resume starts from are its.
+    killed = _fit(config, run, "--ckpt_path", "last", "--auto_resume", "false", *kill_args(5, "train"), check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert _resumed_from(killed) == (expected[(3, "train")], "--ckpt_path last")
+    # First step of epoch 1, with last.ckpt half-written (a crash of a non-atomic writer): the resume falls back to
+    # the newest intact checkpoint. A new, truncated file under the name (last.ckpt shares its data with the best-k
+    # file of its step).
+    last = expected[(5, "train")]
+    truncated = last.read_bytes()[:1000]
+    last.unlink()
+    last.write_bytes(truncated)
+    resumed = _fit(config, run)
+    assert f"checkpoint {last} is unusable: truncated" in resumed.stdout + resumed.stderr
+    resumed_from, how = _resumed_from(resumed)
+    # epoch 0's best, written with last.ckpt at the end of its validation
+    assert resumed_from.parent == checkpoints and resumed_from.name.startswith("epoch000-"), resumed_from
+    assert how == "auto_resume"
+    report = {"(4, val), (3, train), (5, train) in turn": max_diff(reference, _weights(run))}
     # The production config's background writer: a kill may come while the newest checkpoint is still being
     # written, and the resume then starts from an older one (or from scratch), never from a partial file, and still
     # ends the same.
@@ -129,8 +138,8 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
     # A write cut short leaves at most its hidden temporary file: every file named *.ckpt is whole.
     assert all(checkpoint_problem(c) is None for c in (run / "checkpoints").glob("*.ckpt"))
     _fit(_config(tmp_path, data, background_writes=True), run)
-    report[(5, "train, background writes")] = max_diff(reference, _weights(run))
-    print("1 process, max |w - w_ref| per kill point:", report)
+    report["(5, train), background writes"] = max_diff(reference, _weights(run))
+    print("1 process, max |w - w_ref|:", report)
     assert all(diff <= 1e-6 for diff in report.values()), report
 
 
