@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.transforms.v2 import functional as TF
 
@@ -423,10 +423,6 @@ class ImageFolderDataModule(L.LightningDataModule):
         loader_cls = StatefulDataLoader if shuffle else DataLoader
         if sampler is not None:
             shuffle = False  # the sampler orders the data
-        elif shuffle and trainer is not None and trainer.world_size > 1:
-            # Lightning swaps torch's RandomSampler for a DistributedSampler, whose order is a function of (seed,
-            # epoch); torchdata's own RandomSampler would be wrapped instead, and its generator is not checkpointed.
-            sampler, shuffle = RandomSampler(dataset), False
         return loader_cls(
             dataset,
             batch_size=self.batch_size,
@@ -451,12 +447,20 @@ class ImageFolderDataModule(L.LightningDataModule):
             log.warning(f"data: {len(self.train_set)} training images over {world} process(es) give {per_process} "
                         f"per process, fewer than data.batch_size={self.batch_size}: each step trains on "
                         f"{per_process} per process")
-        sampler, rank = None, self.trainer.global_rank if self.trainer else 0
-        # Both are DistributedSamplers: Lightning keeps them in place under DDP and calls their set_epoch.
+        rank = self.trainer.global_rank if self.trainer else 0
+        # Every training sampler is a DistributedSampler, also on one process: its order is a function of (seed,
+        # epoch) alone, and Lightning keeps it in place under DDP and sets its epoch before each one. A shuffle drawn
+        # from a generator instead (torch's or torchdata's RandomSampler) depends on how many iterators were made
+        # before, and a resume that replays an epoch's end makes one more than the run it continues: it would skip
+        # a shuffle. The seed is Lightning's (seed_everything), as for the sampler Lightning would add itself.
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         if self.repeated_augmentation > 1:
-            sampler = RepeatedAugmentationSampler(self.train_set, world, rank, repeats=self.repeated_augmentation)
+            sampler = RepeatedAugmentationSampler(self.train_set, world, rank, repeats=self.repeated_augmentation,
+                                                  seed=seed)
         elif self.sampling == "balanced":
-            sampler = BalancedSampler(self.train_set.targets, world, rank, power=self.balance_power)
+            sampler = BalancedSampler(self.train_set.targets, world, rank, power=self.balance_power, seed=seed)
+        else:
+            sampler = DistributedSampler(self.train_set, num_replicas=world, rank=rank, shuffle=True, seed=seed)
         return self._loader(self.train_set, shuffle=True, drop_last=per_process > self.batch_size, sampler=sampler)
 
     def _eval_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:
