@@ -71,6 +71,7 @@ def test_private_state_exists_on_instances():
             assert hasattr(instances[kind], name), f"{kind}.{name}"
     # faults.ExactResume calls these on the loop objects themselves
     assert callable(trainer.fit_loop.epoch_loop._should_check_val_fx)
+    assert callable(trainer.fit_loop.epoch_loop._should_accumulate)  # a checkpoint inside an accumulation window
     assert "data_fetcher" in inspect.signature(trainer.fit_loop.epoch_loop._should_check_val_fx).parameters
     assert list(inspect.signature(L.Trainer._run).parameters) == ["self", "model", "ckpt_path", "weights_only"]
     from lightning.pytorch.utilities.combined_loader import CombinedLoader

@@ -169,67 +169,47 @@ def cases(draw) -> Case:
     resumable = [p for p in points if written and p[0] > written[0][0]]
     assume(resumable)
     _, where, step = draw(st.sampled_from(resumable))
-    case = Case(trainer, checkpoint, (where, step))
-    assume(known_defect(case) is None)  # each has its example below
-    return case
+    return Case(trainer, checkpoint, (where, step))
 
 
-# Cases found by this test, kept as strict-xfail examples until training/ fixes them (issue 11); each fails today,
-# and `known_defect` keeps the drawn cases out of their way.
-SKIPPED_SHUFFLE = "issue 11: a resume from a checkpoint of an epoch's end skips a shuffle"
-LOST_GRADIENTS = "issue 11: a checkpoint inside an accumulation window lacks its gradients"
-SAVED_TWICE = "issue 11: after a resume under accumulation, the resumed step is saved again"
-# Found and fixed: a step save was lost where the user's ModelCheckpoint saves at the epoch's end although
-# validations run within the epoch (ExactResume held the save past the validation until the next batch end, and gave
-# it that batch's step). `val_check_interval: 1` (an int: every batch; Lightning takes 1 for 1.0) lost steps 1 and 4
-# here; `save_on_train_epoch_end: true` with `val_check_interval: 0.5` did the same. Kept as a plain example.
+# Cases this test found, each a defect fixed since and kept as an example (run first, on every run).
+# A step save was lost where the user's ModelCheckpoint saves at the epoch's end although validations run within the
+# epoch (ExactResume held the save past the validation until the next batch end, and gave it that batch's step).
+# `val_check_interval: 1` (an int: every batch; Lightning takes 1 for 1.0) lost steps 1 and 4 here;
+# `save_on_train_epoch_end: true` with `val_check_interval: 0.5` did the same.
 EVERY_BATCH_VALIDATES = Case(
     {"limit_train_batches": 3, "accumulate_grad_batches": 1, "val_check_interval": 1, "check_val_every_n_epoch": 1,
      "max_epochs": 2, "max_steps": -1},
     {"train_time_interval": "0:00:00", "save_top_k": -1, "save_last": False}, ("train", 5))
 # A resume from a checkpoint written at an epoch's end, at the validation that ends it (`check_val_every_n_epoch: 2`,
-# `val_check_interval: 0.5`) or, with max_steps set, at the train epoch end, replays that epoch's end and then trains
-# the next epoch on the batches that the run never killed saw an epoch later (one shuffle skipped): max |w - w_ref|
-# ~ 1 to 10. The shipped path (max_epochs, one validation at each epoch's end) is exact.
+# `val_check_interval: 0.5`) or, with max_steps set, at the train epoch end, replays that epoch's end and made one
+# more loader iterator than the run never killed: with a shuffle drawn from a generator (torchdata's RandomSampler on
+# one process), the next epoch trained on the batches of the epoch after it (max |w - w_ref| ~ 1 to 10). Every
+# training sampler is now a function of (seed, epoch).
 RESUMED_AFTER_CLOSING_VALIDATION = Case(
     {"limit_train_batches": 2, "accumulate_grad_batches": 1, "val_check_interval": 1.0, "check_val_every_n_epoch": 2,
      "max_epochs": 3, "max_steps": -1},
     {"monitor": "val/acc", "mode": "max", "save_top_k": 1, "save_last": True}, ("train", 5))
-# A checkpoint inside an accumulation window lacks the gradients accumulated so far: the resumed step takes the
-# window's remaining micro-batches only. A validation there writes one (`val_check_interval` in batches, not a
-# multiple of `accumulate_grad_batches`)...
+# The same under max_steps from a checkpoint of the train epoch's end: Lightning replays that epoch's end, counts it
+# processed twice and set the samplers' epoch one ahead (6.2). ExactResume sets it from `current_epoch`.
+RESUMED_UNDER_MAX_STEPS = Case(
+    {"limit_train_batches": 2, "accumulate_grad_batches": 2, "val_check_interval": 1.0, "check_val_every_n_epoch": 1,
+     "max_epochs": None, "max_steps": 2},
+    {"monitor": "val/acc", "mode": "max", "save_top_k": 1, "save_last": False}, ("train", 2))
+# A checkpoint inside an accumulation window lacked the gradients accumulated so far: the resumed step took the
+# window's remaining micro-batches only (0.41). A validation there writes one (`val_check_interval` in batches, not
+# a multiple of `accumulate_grad_batches`). ExactResume now keeps them in the checkpoint...
 VALIDATION_MID_ACCUMULATION = Case(
     {"limit_train_batches": 4, "accumulate_grad_batches": 2, "val_check_interval": 3, "check_val_every_n_epoch": 1,
      "max_epochs": 1, "max_steps": -1},
     {"monitor": "val/loss", "mode": "min", "save_top_k": -1, "save_last": True}, ("train", 2))
-# ...and so does a step save after a resume under accumulation: the resumed ModelCheckpoint has saved nothing yet
-# (Lightning does not checkpoint its last saved step), so at the first micro-batch it saves the resumed step again,
-# over the file resumed from or, at an epoch's start, beside it (epoch=1-step=1.ckpt here, beside epoch=0-step=1.ckpt).
-# A second kill then resumes from that copy.
+# ...and a step save after a resume under accumulation saved the resumed step again (Lightning does not checkpoint a
+# ModelCheckpoint's last saved step): at the first micro-batch, over the file resumed from or, at an epoch's start,
+# beside it (epoch=1-step=1.ckpt here, beside epoch=0-step=1.ckpt). ExactResume now checkpoints and restores it.
 SAVED_AGAIN_AFTER_RESUME = Case(
     {"limit_train_batches": 2, "accumulate_grad_batches": 2, "val_check_interval": 8, "check_val_every_n_epoch": None,
      "max_epochs": 2, "max_steps": -1},
     {"every_n_train_steps": 1, "save_top_k": -1, "save_last": False}, ("train", 2))
-
-
-def known_defect(case: Case) -> str | None:
-    """The issue-11 defect that `case` runs into today, or None. Once training/ fixes one, delete its rule here and
-    its example's xfail (strict: the example then fails as a reminder)."""
-    events = timeline(case.trainer)
-    written = writes(case.trainer, case.checkpoint, events)
-    step_saves = case.checkpoint.get("monitor") is None and "every_n_epochs" not in case.checkpoint
-    kill_at = next(i for i, where, step in kill_points(events) if (where, step) == case.kill)
-    before = [i for i, _, _ in written if i < kill_at]
-    # What the resume may start from: the newest checkpoint (a monitored top-k one: any, by the metric's values).
-    for i in before[-1:] if case.checkpoint.get("monitor") is None or case.checkpoint["save_top_k"] == -1 else before:
-        kind, step, _ = events[i]
-        if (kind == "val" and events[i + 1][0] == "epoch") or (kind == "epoch" and case.trainer["max_steps"] != -1):
-            return SKIPPED_SHUFFLE
-        if kind == "val" and step == max([0] + [s for k, s, _ in events[:i - 1] if k == "batch"]):
-            return LOST_GRADIENTS  # no optimizer step at the batch before that validation
-    if step_saves and case.trainer["accumulate_grad_batches"] > 1:
-        return SAVED_TWICE
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -308,10 +288,11 @@ def _step(path: Path) -> int:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
-@example(case=EVERY_BATCH_VALIDATES)  # fixed: ExactResume flushes held step saves at every validation end
-@example(case=RESUMED_AFTER_CLOSING_VALIDATION).xfail(raises=AssertionError, reason=SKIPPED_SHUFFLE)
-@example(case=VALIDATION_MID_ACCUMULATION).xfail(raises=AssertionError, reason=LOST_GRADIENTS)
-@example(case=SAVED_AGAIN_AFTER_RESUME).xfail(raises=AssertionError, reason=SAVED_TWICE)
+@example(case=EVERY_BATCH_VALIDATES)
+@example(case=RESUMED_AFTER_CLOSING_VALIDATION)
+@example(case=RESUMED_UNDER_MAX_STEPS)
+@example(case=VALIDATION_MID_ACCUMULATION)
+@example(case=SAVED_AGAIN_AFTER_RESUME)
 def test_drawn_configurations_keep_their_checkpoints_and_resume_to_the_same_weights(case, data, tmp_path_factory,
                                                                                    one_thread):
     events = timeline(case.trainer)

@@ -11,11 +11,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from datamodules.image_folder import batch_seed
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED = "preempted.ckpt"  # Preemption's checkpoint, in the run's checkpoint folder
 
 
 class NonFiniteLossError(RuntimeError):
@@ -44,26 +46,62 @@ class ExactResume(Callback):
         self._deferred: list[tuple[ModelCheckpoint, int]] = []  # step saves held until the validation has ended
         self._deferred_args: tuple = ()
         self._world_size: int | None = None  # saved in checkpoints: a resume on another one cannot keep the position
-        self._saved_world_size: int | None = None
+        self._saved: dict = {}  # what the checkpoint resumed from holds of this callback's state
+        self._grads: dict[str, torch.Tensor] | None = None  # the accumulated gradients it holds, if any
+        self._trainer: Trainer | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # seed_everything exports its seed; without one the run is not reproducible anyway.
         self._base = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self._trainer = trainer
 
     def state_dict(self) -> dict:
-        return {"world_size": self._world_size}
+        state = {"world_size": self._world_size}
+        if self._trainer is not None:
+            # The step each ModelCheckpoint last saved at (Lightning keeps it only in memory): a resumed callback must
+            # not save the step again that it has saved already. A save held back here counts with its own step.
+            held = {id(callback): previous for callback, previous in self._deferred}
+            state["last_saved_step"] = {
+                callback.state_key: held.get(id(callback), callback._last_global_step_saved)
+                for callback in self._trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)}
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._saved_world_size = state_dict.get("world_size")
+        self._saved = state_dict
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        # A checkpoint inside an accumulation window (a validation or a timed save between two optimizer steps) also
+        # holds the gradients accumulated so far; without them the resumed step would sum fewer micro-batches. Under
+        # DDP each rank's are its own until the step's all-reduce, which averages: their average, restored on every
+        # rank, gives that same average. Every rank calls this hook (the all-reduce is collective); rank 0 writes.
+        if trainer.state.fn != TrainerFn.FITTING or not trainer.fit_loop.epoch_loop._should_accumulate():
+            return
+        grads = {name: p.grad.detach().clone() for name, p in pl_module.named_parameters() if p.grad is not None}
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            for grad in grads.values():
+                dist.all_reduce(grad)
+                grad.div_(trainer.world_size)
+        checkpoint["accumulated_grads"] = {name: grad.cpu() for name, grad in grads.items()}
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        self._grads = checkpoint.get("accumulated_grads")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._world_size = trainer.world_size
+        if trainer.ckpt_path:
+            self._restore_checkpoint_steps(trainer)
+        if self._grads:
+            params = dict(pl_module.named_parameters())
+            for name, grad in self._grads.items():  # the window resumes where it stopped: Lightning zeroes none
+                params[name].grad = grad.to(params[name].device, params[name].dtype)
+            self._grads = None
         fit_loop = trainer.fit_loop
         states = fit_loop._combined_loader_states_to_load
-        if states and self._saved_world_size not in (None, trainer.world_size):
+        saved_world_size = self._saved.get("world_size")
+        if states and saved_world_size not in (None, trainer.world_size):
             # Another world size (an elastic restart): each rank's sampler shard differs, so no saved position maps
             # onto the new ones. The epoch in progress restarts from its first batch.
-            rank_zero_info(f"resuming on {trainer.world_size} processes, saved on {self._saved_world_size}: the data "
+            rank_zero_info(f"resuming on {trainer.world_size} processes, saved on {saved_world_size}: the data "
                            "position within the epoch cannot carry over; this epoch restarts from its first batch")
             fit_loop._combined_loader_states_to_load = []
             return
@@ -72,15 +110,38 @@ class ExactResume(Callback):
         fit_loop._combined_loader._load_state_dicts(states)
         fit_loop._combined_loader_states_to_load = []
         for loader in fit_loop._combined_loader.flattened:  # a DistributedSampler's order depends on the epoch
-            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+            _set_sampler_epoch(loader, trainer.current_epoch)
         if fit_loop.epoch_loop.batch_progress.is_last_batch:
-            # Saved after an epoch's last batch: the restored iterator is spent. Running it out advances the sampler
-            # to the next epoch's order, which the next iterator follows (Lightning continues with it directly).
+            # Saved after an epoch's last batch: the restored iterator is spent. Running it out uses the restored
+            # position up; the fresh iterator below starts the next epoch (the sampler's order is a function of the
+            # epoch, so it makes no difference whether Lightning continues with it or makes its own).
             for loader in fit_loop._combined_loader.flattened:
                 if hasattr(loader, "load_state_dict"):
                     for _ in loader:
                         pass
         iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
+
+    def _restore_checkpoint_steps(self, trainer: Trainer) -> None:
+        """Each ModelCheckpoint's last saved step as it was when the checkpoint resumed from was written; the callback
+        that wrote it had saved at its step too (it notes that just after the write)."""
+        saved = self._saved.get("last_saved_step", {})
+        path = Path(trainer.ckpt_path)
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint):
+                continue
+            step = saved.get(callback.state_key, callback._last_global_step_saved)
+            if callback.dirpath and Path(callback.dirpath).resolve() == path.parent.resolve() \
+                    and path.name != PREEMPTED:  # Preemption's file: ModelCheckpoint had not saved at that step
+                step = trainer.global_step
+            callback._last_global_step_saved = step
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning sets each sampler's epoch to its count of processed epochs, which a resume under max_steps from a
+        # checkpoint of an epoch's end counts twice (it replays that epoch's end): the next epoch would take the order
+        # of the one after it. The epoch that starts is `current_epoch`; the loader's iterator is made after this hook.
+        if trainer.fit_loop._combined_loader is not None:
+            for loader in trainer.fit_loop._combined_loader.flattened:
+                _set_sampler_epoch(loader, trainer.current_epoch)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         # Per batch, not per optimizer step: under gradient accumulation each micro-batch draws its own dropout masks.
@@ -116,9 +177,10 @@ class ExactResume(Callback):
         self._flush_deferred(trainer, pl_module)  # just before ModelCheckpoint's own epoch-end saves
 
     def _flush_deferred(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Give each deferred ModelCheckpoint its step save now (it decides itself whether the step is due)."""
-        flushed, self._deferred = self._deferred, []
-        for callback, previous in flushed:
+        """Give each deferred ModelCheckpoint its step save now (it decides itself whether the step is due). The others
+        stay listed while one saves: its checkpoint records their true last saved steps (`state_dict`)."""
+        while self._deferred:
+            callback, previous = self._deferred.pop(0)
             callback._last_global_step_saved = previous
             callback.on_train_batch_end(trainer, pl_module, *self._deferred_args)
 
@@ -178,7 +240,7 @@ class Preemption(Callback):
             self._work = None
         if not received:
             return
-        path = checkpoint_dir(trainer) / "preempted.ckpt"
+        path = checkpoint_dir(trainer) / PREEMPTED
         trainer.save_checkpoint(path)  # collective: every rank calls it, rank 0 writes
         name = signal.Signals(received).name
         rank_zero_info(f"{name} received: saved {path} at step {trainer.global_step}; exiting with code "
