@@ -1,6 +1,8 @@
-"""The demo dataset: scikit-learn's bundled handwritten digits written out as an ImageFolder tree of PNGs.
+"""The demo dataset: scikit-learn's bundled handwritten digits written out as an ImageFolder tree of PNGs, or
+composited several to an image as a multi-label dataset (a labels.csv per split).
 
     imgcls demo-data data/digits
+    imgcls demo-data data/digits_multilabel --multilabel
 """
 
 from __future__ import annotations
@@ -64,12 +66,72 @@ def build_demo_data(out_dir: str | os.PathLike, *, size: int = 64, seed: int = 0
     return out
 
 
+def build_multilabel_demo_data(out_dir: str | os.PathLike, *, size: int = 64, seed: int = 0,
+                               counts: dict[str, int] | None = None) -> Path:
+    """Multi-label digits: each image is a 2 x 2 grid of 8x8 cells holding 1 to 3 different digits (the others
+    blank), upsampled to `size` px; its labels are those digits. Each split composites its own share of the 1,797
+    digits (80/10/10, stratified), so no digit drawing is in two splits. `counts`: images per split (default 1,500
+    train, 200 val, 200 test). Written as `<split>/images/NNNNN.png` and `<split>/labels.csv`; idempotent and
+    atomic like `build_demo_data`.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    counts = counts or {"train": 1500, "val": 200, "test": 200}
+    out = Path(out_dir)
+    settings = {"source": "sklearn.datasets.load_digits, 1-3 per 2x2 grid", "size": size, "seed": seed,
+                "counts": counts}
+    manifest = out / MANIFEST
+    if manifest.is_file() and json.loads(manifest.read_text()).get("settings") == settings:
+        return out
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not a demo dataset built with these settings; "
+                              "remove it or choose another folder")
+    digits = load_digits()
+    images, targets = digits.images, digits.target
+    idx = np.arange(len(targets))
+    train_idx, rest = train_test_split(idx, train_size=SPLITS["train"], stratify=targets, random_state=seed)
+    val_idx, test_idx = train_test_split(rest, test_size=0.5, stratify=targets[rest], random_state=seed)
+    rng = np.random.default_rng(seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for split, pool in (("train", train_idx), ("val", val_idx), ("test", test_idx)):
+            (tmp / split / "images").mkdir(parents=True)
+            rows = ["path,labels"]
+            for n in range(counts[split]):
+                k = int(rng.integers(1, 4))
+                classes = rng.choice(10, size=k, replace=False)
+                canvas = np.zeros((16, 16))
+                for cell, digit in zip(rng.choice(4, size=k, replace=False), classes, strict=True):
+                    drawing = images[rng.choice(pool[targets[pool] == digit])]
+                    r, c = divmod(int(cell), 2)
+                    canvas[8 * r:8 * r + 8, 8 * c:8 * c + 8] = drawing
+                pixels = (canvas * (255.0 / 16.0)).round().astype(np.uint8)
+                name = f"images/{n:05d}.png"
+                Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC).save(tmp / split / name)
+                rows.append(f"{name},{'|'.join(str(d) for d in sorted(classes))}")
+            (tmp / split / "labels.csv").write_text("\n".join(rows) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps({"settings": settings, "counts": counts}, indent=2))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="imgcls demo-data", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder to create, e.g. data/digits")
     parser.add_argument("--size", type=int, default=64, help="side of the written PNGs in pixels (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the stratified split (default 0)")
+    parser.add_argument("--multilabel", action="store_true",
+                        help="1 to 3 digits per image, labels in <split>/labels.csv (multi-label classification)")
     args = parser.parse_args(argv)
-    out = build_demo_data(args.out_dir, size=args.size, seed=args.seed)
+    build = build_multilabel_demo_data if args.multilabel else build_demo_data
+    out = build(args.out_dir, size=args.size, seed=args.seed)
     counts = json.loads((out / MANIFEST).read_text())["counts"]
-    print(f"demo data in {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + " images, 10 classes")
+    kind = "10 labels, 1 to 3 per image" if args.multilabel else "10 classes"
+    print(f"demo data in {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f" images, {kind}")

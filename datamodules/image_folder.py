@@ -26,11 +26,14 @@ from torchvision.transforms.v2 import functional as TF
 
 from datamodules import hardware
 from datamodules.images import (
+    LABELS_CSV,
     decode_images,
     find_classes,
+    is_multilabel,
     list_images,
     read_encoded,
     read_image,
+    read_labels_csv,
     scan_split,
 )
 from datamodules.presets import (
@@ -94,21 +97,27 @@ class Samples(_ArraySequence):
     def __len__(self) -> int:
         return len(self.targets)
 
-    def _item(self, index: int) -> tuple[str, int]:
-        return self.paths[index], int(self.targets[index])
+    def _item(self, index: int) -> tuple[str, int | np.ndarray]:
+        target = self.targets[index]
+        return self.paths[index], target if target.ndim else int(target)
 
 
 class ImageFiles(Dataset):
-    """(image, class index) pairs from (path, class index) pairs, stored in numpy arrays (`paths`, `targets`).
+    """(image, target) pairs from (path, target) pairs, stored in numpy arrays (`paths`, `targets`). A target is a
+    class index, or for multi-label data a multi-hot row of 0/1 per class (given as a numpy array), which the
+    dataset returns as a float tensor.
 
     `read` decodes a path (`read_image`), or only reads it (`read_encoded`, for ``augment_on_device``); `transform`
     None leaves its result as it is.
     """
 
-    def __init__(self, samples: Iterable[tuple[str, int]], transform, read=read_image) -> None:
+    def __init__(self, samples: Iterable[tuple[str, int | np.ndarray]], transform, read=read_image) -> None:
         samples = list(samples)
         self.paths = PathArray(p for p, _ in samples)
-        self.targets = np.fromiter((t for _, t in samples), np.int64, len(samples))
+        if samples and isinstance(samples[0][1], np.ndarray):  # (N, C) uint8: 1 byte per label
+            self.targets = np.stack([t for _, t in samples]).astype(np.uint8)
+        else:
+            self.targets = np.fromiter((t for _, t in samples), np.int64, len(samples))
         self.transform = transform
         self.read = read
 
@@ -119,8 +128,10 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.targets)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return _load(self.read, self.transform, self.paths[index]), int(self.targets[index])
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+        target = self.targets[index]
+        target = torch.from_numpy(target.astype(np.float32)) if target.ndim else int(target)
+        return _load(self.read, self.transform, self.paths[index]), target
 
 
 class PredictImages(ImageFiles):
@@ -156,19 +167,29 @@ def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(images)
 
 
+def _stack_targets(targets: tuple) -> torch.Tensor:
+    """Class indices -> (B,) int64; multi-hot rows -> (B, C) float32."""
+    return torch.stack(targets) if isinstance(targets[0], torch.Tensor) else torch.tensor(targets)
+
+
 def _collate_images(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     images, targets = zip(*batch, strict=True)
-    return stack_images(list(images)), torch.tensor(targets)
+    return stack_images(list(images)), _stack_targets(targets)
 
 
 def _collate_encoded(batch: list[tuple[torch.Tensor, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Encoded files differ in length (and decoded ones in size): a list of them, and the targets stacked."""
     images, targets = zip(*batch, strict=True)
-    return list(images), torch.tensor(targets)
+    return list(images), _stack_targets(targets)
 
 
 class ImageFolderDataModule(L.LightningDataModule):
-    """Image-folder data with ImageFolder semantics (classes are the sorted sub-folder names).
+    """Image-folder data with ImageFolder semantics (classes are the sorted sub-folder names), or multi-label data.
+
+    Multi-label: each split folder holds its images (in any sub-folders) and ``labels.csv`` with the columns
+    ``path`` (relative to the split folder) and ``labels`` (separated by spaces or ``|``; empty for none). The
+    classes are the labels that ``train/labels.csv`` uses, sorted, and each target is a multi-hot row. The model
+    then has sigmoid outputs and a binary cross-entropy per class (linked by the CLI as ``model.multilabel``).
 
     Args:
         root: folder holding ``train/``, ``val/`` (optional: else ``val_split`` of train) and ``test/`` (optional).
@@ -176,7 +197,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         batch_size: images per device and step; the global batch is world size x batch_size x accumulation.
         num_workers: loader processes per device; null chooses from the hardware (datamodules/hardware.py): one
             on a CPU-trained model, the node's CPUs shared by the GPUs (at most 8) on CUDA.
-        val_split: fraction of ``train/`` held out, stratified and seeded, when there is no ``val/``.
+        val_split: fraction of ``train/`` held out, seeded (and stratified by class, single-label), when there is no
+            ``val/``.
         split_seed: seed of that split; the same split on every process and every run.
         preset: transform preset, one of ``imagenet``, ``keras``, ``none``.
         image_size: side of the square image fed to the network.
@@ -290,6 +312,11 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
         self.bad_images = bad_images
         self.scan_cache = scan_cache
+        # Multi-label when train/ holds a labels.csv (path,labels rows) instead of class folders.
+        self.multilabel = self.root is not None and self.root.is_dir() and is_multilabel(self.root)
+        if self.multilabel and sampler == "balanced":
+            raise ValueError(f"data.sampler=balanced weights each image by its class, and {self.root} is multi-label "
+                             f"(train/{LABELS_CSV}); use data.sampler: random")
         # Class names are read now (a directory listing, cheap) so that the CLI can link them into the model.
         self.class_names: list[str] | None = self._read_class_names() if self.root is not None else None
         self.train_set = self.val_set = self.test_set = self.predict_set = None
@@ -302,6 +329,12 @@ class ImageFolderDataModule(L.LightningDataModule):
         if not self.root.is_dir():
             raise FileNotFoundError(f"data.root={self.root} does not exist; run `imgcls demo-data {self.root}` "
                                     "or point data.root at a folder with train/ and val/")
+        if self.multilabel:  # the labels that train/labels.csv uses, sorted
+            classes = sorted({label for _, labels in read_labels_csv(self.root / "train") for label in labels})
+            if len(classes) < 2:
+                raise ValueError(f"{self.root / 'train' / LABELS_CSV} uses {len(classes)} label(s) ({classes}); "
+                                 "multi-label classification needs two or more")
+            return classes
         classes = find_classes(self.root / "train")
         if len(classes) < 2:
             raise ValueError(f"{self.root / 'train'} has a single class ({classes[0]}); classification needs two or more")
@@ -352,7 +385,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             test_dir = self.root / "test"
             if not test_dir.is_dir():
                 raise FileNotFoundError(f"{test_dir} does not exist; `imgcls test` needs a test/ split")
-            (test,) = self._drop_bad(scan_split(test_dir, self.class_names), folder=self.root, scan="test")
+            (test,) = self._drop_bad(self._split_samples(test_dir), folder=self.root, scan="test")
             self.test_set = ImageFiles(test, eval_tf, read)
 
     def _drop_bad(self, *splits: list, folder: Path, scan: str) -> list[list]:
@@ -382,13 +415,34 @@ class ImageFolderDataModule(L.LightningDataModule):
                              f"(first: {bad[0][0]})")
         return kept
 
+    def _split_samples(self, split_dir: Path) -> list[tuple[str, int | np.ndarray]]:
+        """(path, class index) for a split's class folders, or (path, multi-hot row) for its labels.csv."""
+        if not self.multilabel:
+            return scan_split(split_dir, self.class_names)
+        index = {name: i for i, name in enumerate(self.class_names)}
+        rows = read_labels_csv(split_dir)
+        unknown = sorted({label for _, labels in rows for label in labels} - index.keys())
+        if unknown:
+            raise ValueError(f"{split_dir / LABELS_CSV} uses label(s) {unknown[:10]} that train/{LABELS_CSV} never "
+                             f"does; the model has one output per label of train/")
+        samples = []
+        for path, labels in rows:
+            row = np.zeros(len(index), np.uint8)
+            row[[index[label] for label in labels]] = 1
+            samples.append((path, row))
+        return samples
+
     def _train_val_samples(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-        train = scan_split(self.root / "train", self.class_names)
+        train = self._split_samples(self.root / "train")
         if (self.root / "val").is_dir():
-            return train, scan_split(self.root / "val", self.class_names)
+            return train, self._split_samples(self.root / "val")
         # Seeded and stratified, over a sorted file list: every rank and every run gets the same split.
         from sklearn.model_selection import train_test_split  # here: importing it costs ~1 s of start-up
 
+        if self.multilabel:  # label sets do not stratify: a seeded random split
+            train_idx, val_idx = train_test_split(range(len(train)), test_size=self.val_split,
+                                                  random_state=self.split_seed)
+            return [train[i] for i in sorted(train_idx)], [train[i] for i in sorted(val_idx)]
         targets = [t for _, t in train]
         try:
             train_idx, val_idx = train_test_split(

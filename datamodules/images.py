@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import io
 import os
 import warnings
@@ -58,6 +59,44 @@ def scan_split(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
             )
         samples.extend((f, idx) for f in files)
     return samples
+
+
+LABELS_CSV = "labels.csv"  # a multi-label split: path,labels rows beside its images
+
+
+def is_multilabel(root: Path) -> bool:
+    """A multi-label dataset has `train/labels.csv`; a single-label one has class folders only."""
+    return (root / "train" / LABELS_CSV).is_file()
+
+
+def read_labels_csv(split_dir: Path) -> list[tuple[str, list[str]]]:
+    """(image path, its labels) of every row of `split_dir/labels.csv`: columns `path` (relative to `split_dir`) and
+    `labels` (separated by spaces or `|`; empty for an image with none). Errors name the file, the row and the fix."""
+    file = split_dir / LABELS_CSV
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist; a multi-label split lists its images there "
+                                "(columns path,labels; labels separated by spaces or |)")
+    rows, seen = [], set()
+    with open(file, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"path", "labels"} <= set(reader.fieldnames):
+            raise ValueError(f"{file} must start with the header path,labels (found {reader.fieldnames})")
+        for line, row in enumerate(reader, start=2):
+            rel = (row["path"] or "").strip()
+            if not rel:
+                raise ValueError(f"{file} line {line}: the path is empty")
+            path = split_dir / rel
+            if rel in seen:
+                raise ValueError(f"{file} line {line}: {rel} is listed twice; give each image one row")
+            if not path.is_file():
+                raise FileNotFoundError(f"{file} line {line}: {path} does not exist; fix the path (relative to "
+                                        f"{split_dir}) or remove the row")
+            seen.add(rel)
+            labels = sorted(set((row["labels"] or "").replace("|", " ").split()))
+            rows.append((str(path), labels))
+    if not rows:
+        raise ValueError(f"{file} lists no images")
+    return rows
 
 
 def read_image(path: str) -> torch.Tensor:

@@ -14,7 +14,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
-from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassF1Score,
+    MultilabelAveragePrecision,
+    MultilabelExactMatch,
+    MultilabelF1Score,
+)
 from torchvision.transforms import v2
 
 from datamodules import hardware
@@ -32,6 +38,12 @@ class ImageClassifier(L.LightningModule):
     Args:
         num_classes: number of classes; linked from the DataModule by the CLI.
         class_names: names of the classes, index order; linked from the DataModule and saved in checkpoints.
+        multilabel: each image has any number of the classes (linked from the DataModule: ``train/labels.csv``):
+            sigmoid outputs, a binary cross-entropy per class (``loss`` is then ignored), and the metrics
+            val/acc (exact match: every label right), val/map (mean average precision over the classes),
+            val/f1_macro and val/f1_micro.
+        threshold: multi-label: a class is predicted when its sigmoid output is at least this (metrics, predict); not
+            saved in checkpoints, so each command takes its own.
         arch: any torchvision classification model: resnet18 ... resnet152, wide_resnet50_2, convnext_tiny,
             efficientnet_b0, mobilenet_v3_large, regnet_y_8gf, vit_b_16, swin_t, ... (the head replaces its last
             Linear layer).
@@ -70,6 +82,8 @@ class ImageClassifier(L.LightningModule):
         self,
         num_classes: int,
         class_names: list[str] | None = None,
+        multilabel: bool = False,
+        threshold: float = 0.5,
         arch: str = "resnet50",
         weights: str | None = None,
         head_hidden: int = 1024,
@@ -95,6 +109,11 @@ class ImageClassifier(L.LightningModule):
         super().__init__()
         _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
                     label_smoothing, backbone_lr_ratio, freeze_backbone_epochs, mixup_alpha, cutmix_alpha)
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"model.threshold={threshold} must be in (0, 1)")
+        if multilabel and (mixup_alpha or cutmix_alpha):
+            raise ValueError("model.mixup_alpha and model.cutmix_alpha mix single-label targets; this data is "
+                             "multi-label (train/labels.csv): set both to 0")
         if loss not in Loss.__args__:
             raise ValueError(f"model.loss={loss!r} is unknown; choose {' or '.join(Loss.__args__)}")
         if optimizer_impl not in OptimizerImpl.__args__:
@@ -102,7 +121,11 @@ class ImageClassifier(L.LightningModule):
         for key, value in (("channels_last", channels_last), ("compile", compile)):
             if value not in (True, False, "auto"):
                 raise ValueError(f"model.{key}={value!r} is unknown; choose true, false or auto")
-        self.save_hyperparameters()
+        # The threshold is a decision made at each command (fit, validate, predict), not part of the trained model:
+        # left out of checkpoints, so that `--model.threshold` always applies (LightningCLI lets a checkpoint's
+        # hyperparameters override the command line).
+        self.save_hyperparameters(ignore=["threshold"])
+        self.threshold = threshold
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
         self.net = build_network(arch, weights, head_hidden, dropout, num_classes)
         self.batch_mix = batch_mix(num_classes, mixup_alpha, cutmix_alpha)  # None when both are off
@@ -112,9 +135,10 @@ class ImageClassifier(L.LightningModule):
         if channels_last is True:
             self._set_channels_last()
 
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.val_metrics = _split_metrics(num_classes, "val")
-        self.test_metrics = _split_metrics(num_classes, "test")
+        self.train_acc = (MultilabelExactMatch(num_classes, threshold=threshold) if multilabel
+                          else MulticlassAccuracy(num_classes, average="micro"))
+        self.val_metrics = _split_metrics(num_classes, "val", multilabel, threshold)
+        self.test_metrics = _split_metrics(num_classes, "test", multilabel, threshold)
         # Mean loss over all images of all ranks, synced once at epoch end: ranks may hold different numbers of
         # val/test batches (each image goes to one rank), so a per-step all-reduce (sync_dist) could deadlock.
         self.eval_loss = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
@@ -151,7 +175,10 @@ class ImageClassifier(L.LightningModule):
             x, y = self.batch_mix(x, y)  # y: (B, num_classes) soft targets
         logits = self(x)
         loss = self.loss(logits, y)
-        self.train_acc(logits, y.argmax(dim=1) if y.ndim == 2 else y)
+        if self.hparams.multilabel:
+            self.train_acc(logits.sigmoid(), y.int())
+        else:
+            self.train_acc(logits, y.argmax(dim=1) if y.ndim == 2 else y)
         self.log("train/loss", loss, prog_bar=True)
         # Per epoch, over every training image of every rank (torchmetrics syncs it once): one batch's accuracy is
         # too noisy to read, and the epoch value sits on the same axis as val/acc.
@@ -159,9 +186,9 @@ class ImageClassifier(L.LightningModule):
         return loss
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The training loss of (B, C) logits against class indices (B,) or soft targets (B, C)."""
+        """The training loss of (B, C) logits against class indices (B,), soft targets or multi-hot rows (B, C)."""
         smoothing = self.hparams.label_smoothing
-        if self.hparams.loss == "ce":
+        if self.hparams.loss == "ce" and not self.hparams.multilabel:
             return F.cross_entropy(logits, y, label_smoothing=smoothing)
         target = F.one_hot(y, logits.shape[1]).to(logits.dtype) if y.ndim == 1 else y.to(logits.dtype)
         target = target * (1 - smoothing) + smoothing / logits.shape[1]  # cross_entropy's smoothing, per class
@@ -171,8 +198,13 @@ class ImageClassifier(L.LightningModule):
         x, y = batch
         logits = self(x)
         metrics = self.val_metrics if prefix == "val" else self.test_metrics
-        metrics.update(logits, y)
-        self.eval_loss[prefix].update(F.cross_entropy(logits, y), weight=y.shape[0])
+        if self.hparams.multilabel:  # probabilities: torchmetrics applies a sigmoid only to values outside [0, 1]
+            metrics.update(logits.sigmoid(), y.int())
+            loss = F.binary_cross_entropy_with_logits(logits, y.to(logits.dtype))
+        else:
+            metrics.update(logits, y)
+            loss = F.cross_entropy(logits, y)
+        self.eval_loss[prefix].update(loss, weight=y.shape[0])
         self.log(f"{prefix}/loss", self.eval_loss[prefix], prog_bar=prefix == "val")
         self.log_dict(metrics, prog_bar=prefix == "val")
 
@@ -190,6 +222,9 @@ class ImageClassifier(L.LightningModule):
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
         x, index = batch
+        if self.hparams.multilabel:  # every class at or above the threshold (PredictionWriter names them)
+            probs = self(x).float().sigmoid()
+            return {"index": index.cpu(), "probs": probs.cpu()}
         probs = self(x).float().softmax(dim=1)  # (B, num_classes)
         top = probs.topk(min(5, probs.shape[1]), dim=1)
         label = top.indices[:, 0]
@@ -370,7 +405,14 @@ def resolve_levers(hparams, device: str) -> tuple[dict[str, bool | str], list[st
     return levers, reasons
 
 
-def _split_metrics(num_classes: int, prefix: str) -> MetricCollection:
+def _split_metrics(num_classes: int, prefix: str, multilabel: bool = False, threshold: float = 0.5) -> MetricCollection:
+    if multilabel:  # updated with probabilities and 0/1 targets
+        return MetricCollection({
+            "acc": MultilabelExactMatch(num_classes, threshold=threshold),  # what the shipped checkpoints monitor
+            "map": MultilabelAveragePrecision(num_classes, average="macro"),
+            "f1_macro": MultilabelF1Score(num_classes, threshold=threshold, average="macro"),
+            "f1_micro": MultilabelF1Score(num_classes, threshold=threshold, average="micro"),
+        }, prefix=f"{prefix}/")
     metrics = {
         "acc": MulticlassAccuracy(num_classes, average="micro"),
         "f1_macro": MulticlassF1Score(num_classes, average="macro"),

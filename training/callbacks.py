@@ -7,9 +7,9 @@ import os
 import re
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
@@ -68,15 +68,17 @@ def git_state() -> dict[str, str | bool]:
 
 
 def data_summary(datamodule) -> dict[str, dict[str, int]]:
-    """Images per class for each split the DataModule has set up: {"train": {"cat": 120, ...}, "val": {...}}."""
+    """Images per class for each split the DataModule has set up: {"train": {"cat": 120, ...}, "val": {...}} (for
+    multi-label data, the images that carry each label)."""
     summary = {}
     names = getattr(datamodule, "class_names", None) or []
     for split in ("train", "val", "test"):
-        dataset = getattr(datamodule, f"{split}_set", None)
-        samples = getattr(dataset, "samples", None)
-        if samples:
-            counts = Counter(target for _, target in samples)
-            summary[split] = {names[c] if c < len(names) else str(c): counts[c] for c in sorted(counts)}
+        targets = getattr(getattr(datamodule, f"{split}_set", None), "targets", None)
+        if targets is None or not len(targets):
+            continue
+        targets = np.asarray(targets)
+        counts = targets.sum(axis=0) if targets.ndim == 2 else np.bincount(targets)
+        summary[split] = {names[c] if c < len(names) else str(c): int(n) for c, n in enumerate(counts) if n}
     return summary
 
 
@@ -125,7 +127,8 @@ class SecretSafeWandbLogger(WandbLogger):
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes `predictions.csv` (path, label, class name, confidence, top-5) at the end of `imgcls predict`.
+    """Writes `predictions.csv` (path, label, class name, confidence, top-5) at the end of `imgcls predict`; for a
+    multi-label model (path, labels at or above `model.threshold`, top-5).
 
     Under DDP the ranks' parts travel to rank 0 through the process group (no shared disk needed: each node may have
     its own run directory), and rank 0 writes them in dataset order, without the duplicates that the distributed
@@ -152,18 +155,34 @@ class PredictionWriter(BasePredictionWriter):
         out.mkdir(parents=True, exist_ok=True)
         with open(out / self.filename, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["path", "label", "class_name", "confidence", "top5"])
-            for index in sorted(merged):
-                _, label, name, conf, top_labels, top_probs = merged[index]
-                top5 = " ".join(f"{names[c]}:{p:.4f}" for c, p in zip(top_labels, top_probs, strict=True))
-                writer.writerow([paths[index], label, name, f"{conf:.6f}", top5])
+            if pl_module.hparams.get("multilabel"):
+                # labels: every class at or above the threshold, `|`-separated as labels.csv reads them (empty for
+                # none); scores: the probabilities of the 5 likeliest classes, for a look below the threshold.
+                threshold = pl_module.threshold
+                writer.writerow(["path", "labels", "top5"])
+                for index in sorted(merged):
+                    probs = merged[index][1]
+                    order = sorted(range(len(probs)), key=lambda c: -probs[c])
+                    labels = "|".join(names[c] for c in sorted(order) if probs[c] >= threshold)
+                    top5 = " ".join(f"{names[c]}:{probs[c]:.4f}" for c in order[:5])
+                    writer.writerow([paths[index], labels, top5])
+            else:
+                writer.writerow(["path", "label", "class_name", "confidence", "top5"])
+                for index in sorted(merged):
+                    _, label, name, conf, top_labels, top_probs = merged[index]
+                    top5 = " ".join(f"{names[c]}:{p:.4f}" for c, p in zip(top_labels, top_probs, strict=True))
+                    writer.writerow([paths[index], label, name, f"{conf:.6f}", top5])
         print(f"wrote {len(merged)} predictions to {out / self.filename}")
 
 
 def _prediction_rows(predictions: list[dict]) -> list[tuple]:
-    """predict_step outputs -> (index, label, class name, confidence, top-5 labels, top-5 probabilities) rows."""
+    """predict_step outputs -> (index, label, class name, confidence, top-5 labels, top-5 probabilities) rows, or
+    (index, every class's probability) rows for a multi-label model."""
     rows = []
     for batch in predictions:
+        if "probs" in batch:
+            rows += [(int(i), p.tolist()) for i, p in zip(batch["index"], batch["probs"], strict=True)]
+            continue
         for i in range(len(batch["index"])):
             rows.append((int(batch["index"][i]), int(batch["label"][i]), batch["class_name"][i],
                          float(batch["confidence"][i]), batch["top5_labels"][i].tolist(),

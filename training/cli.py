@@ -78,6 +78,7 @@ class ImgclsCLI(LightningCLI):
         # The data knows its classes once it has listed the folders: nobody types the number of classes.
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+        parser.link_arguments("data.multilabel", "model.multilabel", apply_on="instantiate")  # train/labels.csv
         parser.link_arguments("data.batch_size", "model.batch_size")  # for lr scaling by the global batch
         parser.add_argument("--auto_resume", type=bool, default=False,
                             help="fit: resume from the newest intact checkpoint of the run directory, if any")
@@ -253,6 +254,7 @@ class _DataInstantiator(_InstantiatorFn):
         model = self.cli.config[self.cli.subcommand].model
         if datamodule.class_names is None and model.get("class_names"):
             datamodule.class_names = list(model.class_names)
+            datamodule.multilabel = bool(model.get("multilabel"))
         return datamodule
 
 

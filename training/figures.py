@@ -1,5 +1,5 @@
 """Validation pictures for the dashboards: a confusion matrix, per-class precision, recall and F1, and a grid of
-misclassified images, every epoch."""
+misclassified images, every epoch (multi-label: the per-class scores only)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from PIL import Image, ImageDraw, ImageFont
-from torchmetrics.classification import MulticlassConfusionMatrix
+from torchmetrics.classification import MulticlassConfusionMatrix, MultilabelStatScores
 
 
 class ValidationFigures(Callback):
@@ -36,6 +36,7 @@ class ValidationFigures(Callback):
         self._hook = None
         self._mistakes: list[tuple[torch.Tensor, int, int]] = []
         self.confusion: MulticlassConfusionMatrix | None = None
+        self.label_counts: MultilabelStatScores | None = None  # multi-label: per class tp, fp, tn, fn, support
 
     def _active(self, trainer: Trainer) -> bool:
         return not trainer.sanity_checking and trainer.current_epoch % self.every_n_epochs == 0
@@ -43,10 +44,17 @@ class ValidationFigures(Callback):
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._active(trainer):
             return
-        if self.confusion is None:
+        if pl_module.hparams.get("multilabel"):
+            if self.label_counts is None:
+                self.label_counts = MultilabelStatScores(pl_module.hparams.num_classes,
+                                                         threshold=pl_module.threshold, average=None)
+            self.label_counts = self.label_counts.to(pl_module.device)
+            self.label_counts.reset()
+        elif self.confusion is None:
             self.confusion = MulticlassConfusionMatrix(pl_module.hparams.num_classes)
-        self.confusion = self.confusion.to(pl_module.device)
-        self.confusion.reset()
+        if self.confusion is not None:
+            self.confusion = self.confusion.to(pl_module.device)
+            self.confusion.reset()
         self._mistakes = []
 
         def keep_logits(module, args, output):
@@ -60,6 +68,10 @@ class ValidationFigures(Callback):
         if self._hook is None or self._logits is None:
             return
         x, y = batch
+        if pl_module.hparams.get("multilabel"):
+            self.label_counts.update(self._logits.sigmoid(), y.int())
+            self._logits = None
+            return
         preds = self._logits.argmax(dim=1)
         self.confusion.update(preds, y)
         if trainer.is_global_zero and len(self._mistakes) < self.max_images:
@@ -72,34 +84,50 @@ class ValidationFigures(Callback):
             return
         self._hook.remove()
         self._hook = None
+        names = pl_module.class_names
+        out = Path(trainer.default_root_dir) / "figures"
+        if pl_module.hparams.get("multilabel"):  # no confusion matrix or grid of mistakes: per-class scores only
+            counts = self.label_counts.compute().cpu().numpy()  # (C, 5); all ranks take part
+            if trainer.is_global_zero:
+                tp, fp, fn = counts[:, 0], counts[:, 1], counts[:, 3]
+                self._publish_scores(trainer, out, names, scores_from_counts(tp, fp, fn))
+            return
         matrix = self.confusion.compute()  # all ranks take part: the counts are summed across processes
         if not trainer.is_global_zero:
             return
-        names = pl_module.class_names
-        out = Path(trainer.default_root_dir) / "figures"
         out.mkdir(parents=True, exist_ok=True)
         np.savetxt(out / "confusion_matrix.csv", matrix.cpu().numpy(), fmt="%d", delimiter=",",
                    header="rows: true class, columns: predicted class; " + ",".join(names))
         fig, ax = self.confusion.plot(val=matrix.cpu(), labels=names if len(names) <= 30 else None)
         ax.set_title(f"val confusion matrix, epoch {trainer.current_epoch}")
         _publish(trainer, "val/confusion_matrix", _figure_to_array(fig))
-        scores = per_class_scores(matrix.cpu().numpy())
+        self._publish_scores(trainer, out, names, per_class_scores(matrix.cpu().numpy()))
+        _publish(trainer, "val/misclassified", misclassified_grid(self._mistakes, names))
+        self._mistakes = []
+
+    @staticmethod
+    def _publish_scores(trainer: Trainer, out: Path, names: list[str], scores: np.ndarray) -> None:
+        out.mkdir(parents=True, exist_ok=True)
         _publish_table(trainer, "val/per_class", names, scores)
         np.savetxt(out / "per_class.csv", scores, fmt=["%.6f", "%.6f", "%.6f", "%d"], delimiter=",",
                    header="rows: " + ",".join(names) + "\nprecision,recall,f1,support")
         if len(names) <= 40:
             _publish(trainer, "val/per_class", per_class_chart(names, scores, trainer.current_epoch))
-        _publish(trainer, "val/misclassified", misclassified_grid(self._mistakes, names))
-        self._mistakes = []
 
 
 def per_class_scores(matrix: np.ndarray) -> np.ndarray:
-    """(C, C) confusion counts (rows: true class) -> (C, 4): precision, recall, F1 and support of each class.
+    """(C, C) confusion counts (rows: true class) -> (C, 4): precision, recall, F1 and support of each class."""
+    tp = np.diag(matrix)
+    return scores_from_counts(tp, matrix.sum(axis=0) - tp, matrix.sum(axis=1) - tp)
+
+
+def scores_from_counts(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> np.ndarray:
+    """Per-class true positives, false positives and false negatives -> (C, 4): precision, recall, F1, support.
 
     A class never predicted has precision 0, one never present recall 0 (torchmetrics' convention for average=None).
     """
-    tp = np.diag(matrix).astype(np.float64)
-    predicted, present = matrix.sum(axis=0), matrix.sum(axis=1)
+    tp = np.asarray(tp, dtype=np.float64)
+    predicted, present = tp + np.asarray(fp), tp + np.asarray(fn)
     precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
     recall = np.divide(tp, present, out=np.zeros_like(tp), where=present > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=precision + recall > 0)
