@@ -27,9 +27,25 @@ def _restore_environ():
     os.environ.update(saved)
 
 
+def pytest_configure(config):
+    """A worker of `-n N` computes with its share of the cores. Torch's default, a thread per core in every worker,
+    makes each in-process op wait on threads whose cores the other workers hold: the quick benchmarks took 10x longer
+    beside one busy core. Subprocesses get one thread from cli_env; those started with os.environ (the benchmarks'
+    runs) from OMP_NUM_THREADS here."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = max(1, _cores() // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, at most 4 (several tests start 2 to 8 processes of their own)."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(1, min(4, _cores()))
 
 
 def pytest_collection_modifyitems(config, items):
