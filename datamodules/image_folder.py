@@ -206,6 +206,8 @@ class ImageFolderDataModule(L.LightningDataModule):
             (torchvision's V2 recipe trains at 176 and evaluates at 224): the random crops enlarge objects, and
             evaluating larger makes up for it.
         eval_image_size: side of the validation, test and prediction images, null = image_size.
+        eval_resize_size: preset ``imagenet``: the short side those images are resized to before their center crop
+            of eval_image_size; null = eval_image_size / 0.875 (256 for 224). torchvision's V2 recipe: 232.
         progressive_resizing: epoch -> training image side from that epoch on, e.g. ``{0: 128, 6: 160, 12: 176}``
             (progressive resizing, as in FFCV and Composer: small, fast images early, full size late). The loaders
             keep producing train_image_size crops; each training batch is resized on the device, before
@@ -253,6 +255,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         image_size: int = 224,
         train_image_size: int | None = None,
         eval_image_size: int | None = None,
+        eval_resize_size: int | None = None,
         progressive_resizing: dict[int, int] | None = None,
         auto_augment: AutoAugment = "none",
         auto_augment_magnitude: int | None = None,
@@ -287,6 +290,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.image_size = image_size
         self.train_image_size = train_image_size or image_size
         self.eval_image_size = eval_image_size or image_size
+        self.eval_resize_size = eval_resize_size
+        ClassificationPresetEval(preset=preset, image_size=self.eval_image_size, resize_size=eval_resize_size)  # checks
         self.progressive_resizing = _check_schedule(progressive_resizing, self.train_image_size)
         self.augment = dict(auto_augment=auto_augment, auto_augment_magnitude=auto_augment_magnitude,
                             random_erasing=random_erasing)
@@ -356,7 +361,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         uint8 = self.normalize_on_device or self.augment_on_device
         train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.train_image_size, uint8_output=uint8,
                                              fast_decode=self.fast_decode, **self.augment)
-        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.eval_image_size, uint8_output=uint8)
+        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.eval_image_size, uint8_output=uint8,
+                                           resize_size=self.eval_resize_size)
         # With fast_decode the training transform decodes each JPEG for its crop (reduced size when it can).
         read, train_read = read_image, read_encoded if self.fast_decode else read_image
         if self.augment_on_device:  # the workers read; `augment_batch` decodes and transforms on the device

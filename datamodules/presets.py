@@ -131,15 +131,23 @@ class ClassificationPresetTrain:
 
 
 class ClassificationPresetEval:
-    """Evaluation transform: deterministic resize (and crop for `imagenet`); ``uint8_output`` as for training."""
+    """Evaluation transform: deterministic resize (and crop for `imagenet`); ``uint8_output`` as for training.
 
-    def __init__(self, *, preset: Preset = "imagenet", image_size: int = 224, uint8_output: bool = False) -> None:
+    `resize_size` (``imagenet``): the short side before the center crop; None is the usual 0.875 crop ratio,
+    image_size / 0.875 (256 for 224). torchvision's V2 weights evaluate at 232 -> 224.
+    """
+
+    def __init__(self, *, preset: Preset = "imagenet", image_size: int = 224, uint8_output: bool = False,
+                 resize_size: int | None = None) -> None:
         _check_preset(preset)
+        resize_size = resize_size or int(round(image_size / 0.875))
+        if resize_size < image_size:
+            raise ValueError(f"data.eval_resize_size={resize_size} is below the crop, data.eval_image_size="
+                             f"{image_size}; it is the short side before the center crop")
         if preset == "imagenet":
-            # The usual 0.875 crop ratio: resize the short side to size/0.875, then center-crop.
             steps = [
                 v2.PILToTensor(),
-                v2.Resize(int(round(image_size / 0.875)), antialias=True),
+                v2.Resize(resize_size, antialias=True),
                 v2.CenterCrop(image_size),
             ]
         else:

@@ -55,6 +55,8 @@ class ImageClassifier(L.LightningModule):
             recipes; needs ``pip install 'imgcls[timm]'``).
         loss: ``ce`` (softmax cross-entropy) or ``bce`` (a binary cross-entropy per class on the one-hot, smoothed or
             mixed targets, as in ResNet strikes back).
+        bce_target_threshold: ``bce``: targets (smoothed or mixed) above this become 1, the others 0, as timm's
+            ``BinaryCrossEntropy(target_threshold=0.2)`` in ResNet strikes back; null keeps them soft.
         lr: learning rate per 256 images; scaled by the global batch (world size x batch x accumulation).
         lr_scaling: ``linear``, ``sqrt`` or ``none``: how lr follows the global batch size.
         momentum: SGD momentum (AdamW: beta1).
@@ -90,6 +92,7 @@ class ImageClassifier(L.LightningModule):
         dropout: float = 0.2,
         optimizer: Optimizer = "sgd",
         loss: Loss = "ce",
+        bce_target_threshold: float | None = None,
         lr: float = 0.1,
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         momentum: float = 0.9,
@@ -114,6 +117,8 @@ class ImageClassifier(L.LightningModule):
         if multilabel and (mixup_alpha or cutmix_alpha):
             raise ValueError("model.mixup_alpha and model.cutmix_alpha mix single-label targets; this data is "
                              "multi-label (train/labels.csv): set both to 0")
+        if bce_target_threshold is not None and not 0.0 <= bce_target_threshold < 1.0:
+            raise ValueError(f"model.bce_target_threshold={bce_target_threshold} must be in [0, 1), or null")
         if loss not in Loss.__args__:
             raise ValueError(f"model.loss={loss!r} is unknown; choose {' or '.join(Loss.__args__)}")
         if optimizer_impl not in OptimizerImpl.__args__:
@@ -192,6 +197,8 @@ class ImageClassifier(L.LightningModule):
             return F.cross_entropy(logits, y, label_smoothing=smoothing)
         target = F.one_hot(y, logits.shape[1]).to(logits.dtype) if y.ndim == 1 else y.to(logits.dtype)
         target = target * (1 - smoothing) + smoothing / logits.shape[1]  # cross_entropy's smoothing, per class
+        if self.hparams.get("bce_target_threshold") is not None:
+            target = (target > self.hparams.bce_target_threshold).to(logits.dtype)
         return F.binary_cross_entropy_with_logits(logits, target)
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:

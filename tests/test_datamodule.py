@@ -119,6 +119,17 @@ def test_presets_give_float_chw_of_image_size(preset):
             assert 0.0 <= out.min() and out.max() <= 1.0
 
 
+def test_eval_resize_size_sets_the_short_side_before_the_center_crop():
+    image = Image.fromarray(np.tile(np.arange(256, dtype=np.uint8), (128, 1))).convert("RGB")  # 256 x 128: a ramp
+    for resize, expected in ((None, 256), (232, 232)):  # 224 / 0.875 = 256 by default; torchvision V2's 232
+        tf = ClassificationPresetEval(preset="imagenet", image_size=224, resize_size=resize, uint8_output=True)
+        resized = tf.transforms.transforms[1](tf.transforms.transforms[0](image))
+        assert min(resized.shape[-2:]) == expected
+        assert tf(image).shape == (3, 224, 224)
+    with pytest.raises(ValueError, match="data.eval_resize_size=200 is below the crop, data.eval_image_size=224"):
+        ImageFolderDataModule(root=None, eval_image_size=224, eval_resize_size=200)
+
+
 def test_imagenet_eval_normalises_with_imagenet_stats():
     rgb = (124, 116, 104)  # ~ the ImageNet mean colour
     out = ClassificationPresetEval(preset="imagenet", image_size=32)(Image.new("RGB", (64, 64), rgb))

@@ -441,6 +441,16 @@ def test_bce_loss_scores_each_class_against_the_smoothed_or_mixed_targets():
     torch.testing.assert_close(ce.loss(logits, y), F.cross_entropy(logits, y, label_smoothing=0.2))
 
 
+def test_bce_target_threshold_binarises_the_mixed_targets_as_rsb_does():
+    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss="bce", bce_target_threshold=0.2)
+    logits = torch.randn(2, 4)
+    mixed = torch.tensor([[0.85, 0.15, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]])  # mixup's weights 0.85/0.15 and 0.5/0.5
+    binary = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    torch.testing.assert_close(model.loss(logits, mixed), F.binary_cross_entropy_with_logits(logits, binary))
+    with pytest.raises(ValueError, match=r"model.bce_target_threshold=1.5 must be in \[0, 1\)"):
+        ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss="bce", bce_target_threshold=1.5)
+
+
 def test_lamb_is_timms_and_trains_with_the_projects_parameter_groups():
     from timm.optim import Lamb
 

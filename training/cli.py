@@ -120,7 +120,7 @@ class ImgclsCLI(LightningCLI):
         if config.data.root is None and config.get("ckpt_path"):
             # Predicting from a checkpoint alone: the eval transform must match training's, so take it from there.
             saved = torch.load(config.ckpt_path, map_location="cpu", weights_only=True)
-            for key in ("preset", "image_size", "eval_image_size"):
+            for key in ("preset", "image_size", "eval_image_size", "eval_resize_size"):
                 if key in saved.get("datamodule_hyper_parameters", {}):
                     config.data[key] = saved["datamodule_hyper_parameters"][key]
 

@@ -41,7 +41,8 @@ def preprocessing(data: dict) -> dict:
     """What a server must do to an RGB image before the model, from the run's eval transform."""
     preset = data.get("preset", "imagenet")
     size = int(data.get("eval_image_size") or data.get("image_size", 224))  # FixRes: evaluation's size, not training's
-    steps = ClassificationPresetEval(preset=preset, image_size=size).transforms.transforms
+    steps = ClassificationPresetEval(preset=preset, image_size=size,
+                                     resize_size=data.get("eval_resize_size")).transforms.transforms
     return {
         "input": "RGB image (decode grayscale/RGBA/16-bit to 8-bit RGB first)",
         "preset": preset,
