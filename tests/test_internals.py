@@ -42,7 +42,7 @@ INSTANCE_STATE = {
     "ModelCheckpoint": ["_last_global_step_saved", "_last_checkpoint_saved"],
     "DDPStrategy": ["_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper", "_model_averaging_period"],
     "FitLoop": ["_combined_loader", "_combined_loader_states_to_load", "_data_fetcher"],  # faults.ExactResume
-    "WandbLogger": ["_experiment"],  # callbacks.SecretSafeWandbLogger
+    "WandbLogger": ["_experiment"],  # wandb_runs.SecretSafeWandbLogger
 }
 
 

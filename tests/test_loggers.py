@@ -24,7 +24,7 @@ from tests.helpers import (
     wandb_offline_env,
     wandb_run_record,
 )
-from training.callbacks import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
+from training.wandb_runs import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
 from training.cli import ImgclsCLI, cli_main
 
 EPOCHS = 2

@@ -2,12 +2,21 @@
 
     imgcls fit --config configs/quickstart.yaml
     imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
+
+What the CLI adds that no config file shows (`--print_config` does not list these):
+- the fault guards on every run, after the configured callbacks: `training.faults.ExactResume`, `Preemption` and
+  `NonFiniteLossGuard` (docs/FAULT_TOLERANCE.md);
+- `training.checkpointing.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a CheckpointIO;
+- `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;
+- `training.run_dir.RunConfig`, which saves the resolved config into the run directory;
+- every WandbLogger built as `training.wandb_runs.SecretSafeWandbLogger`;
+- the links data -> model (`num_classes`, `class_names`, `multilabel`, `batch_size`) and the top-level `auto_resume`.
+The run directory and the closing summary are in training/run_dir.py, error reporting in training/errors.py.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import pickle
 import sys
 import warnings
@@ -23,19 +32,20 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
-from datamodules.image_folder import UnreadableImageError
 from lightning_modules import ImageClassifier
-from training.callbacks import WANDB_RUN_ID_FILE, PredictionWriter, RunConfig, SecretSafeWandbLogger
+from training.callbacks import PredictionWriter
 from training.checkpointing import (
     AtomicCheckpointIO,
-    CheckpointWriteError,
     ResumePlan,
     UnsafeCheckpointError,
     resolve_resume,
     unsafe_message,
 )
-from training.faults import NonFiniteLossError, fault_callbacks, lost_peer_message
+from training.errors import exit_code
+from training.faults import fault_callbacks
+from training.run_dir import RunConfig, checkpoint_callbacks, closing_summary, run_dir
 from training.trainer import Trainer
+from training.wandb_runs import WandbInstantiator, wandb_online
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
@@ -52,13 +62,6 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 # Lightning's WeightAveraging (EMA) warns about any model with configure_model, for sharded layers; ours only picks the
 # speed levers (channels_last, compile), so the averaged copy is the whole model.
 warnings.filterwarnings("ignore", message="You're using the WeightAveraging callback with a model that overrides")
-
-
-# Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError, NonFiniteLossError,
-               CheckpointWriteError)
-_PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
-                                                                             "training"))
 
 
 class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
@@ -91,8 +94,8 @@ class ImgclsCLI(LightningCLI):
         if subcommand == "fit":
             # Every folder a checkpoint of this run can be in: each callback's, and the run's own (a callback with no
             # dirpath, and the preemption save, write there).
-            run_checkpoints = _run_dir(config) / "checkpoints"
-            folders = [Path(c.init_args.dirpath) for c in _checkpoint_callbacks(config) if c.init_args.dirpath]
+            run_checkpoints = run_dir(config) / "checkpoints"
+            folders = [Path(c.init_args.dirpath) for c in checkpoint_callbacks(config) if c.init_args.dirpath]
             self.resume_plan = resolve_resume(config.ckpt_path, [run_checkpoints, *folders], config.auto_resume)
             config.ckpt_path = self.resume_plan.path
         try:
@@ -102,18 +105,18 @@ class ImgclsCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
-        run_dir = _run_dir(config)
-        config.trainer.default_root_dir = str(run_dir)
+        folder = run_dir(config)
+        config.trainer.default_root_dir = str(folder)
         loggers = config.trainer.logger
         for logger in loggers if isinstance(loggers, list) else [loggers]:
             init = getattr(logger, "init_args", None)
             if init is not None and "save_dir" in init and init.save_dir in ("", None):
-                init.save_dir = str(run_dir)
-            if init is not None and logger.class_path.endswith("WandbLogger") and _wandb_online():
+                init.save_dir = str(folder)
+            if init is not None and logger.class_path.endswith("WandbLogger") and wandb_online():
                 init.offline = False
-        for callback in _checkpoint_callbacks(config):
+        for callback in checkpoint_callbacks(config):
             if callback.init_args.dirpath is None:
-                callback.init_args.dirpath = str(run_dir / "checkpoints")
+                callback.init_args.dirpath = str(folder / "checkpoints")
         if config.trainer.get("enable_progress_bar") is False and config.trainer.callbacks:
             # The shipped configs list a RichProgressBar, which Lightning refuses next to enable_progress_bar=false.
             config.trainer.callbacks = [c for c in config.trainer.callbacks if not c.class_path.endswith("ProgressBar")]
@@ -130,7 +133,7 @@ class ImgclsCLI(LightningCLI):
                                     subclasses=self.subclass_mode_model)
         self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ImageFolderDataModule,
                                     subclasses=self.subclass_mode_data)
-        self.parser.add_instantiator(_WandbInstantiator(self), WandbLogger)
+        self.parser.add_instantiator(WandbInstantiator(self), WandbLogger)
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
@@ -163,52 +166,7 @@ class ImgclsCLI(LightningCLI):
                            "them as their state_dict (the trained weights as current_model_state)")
         if trainer.strategy.broadcast(bool(best) and Path(best).is_file()):
             trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
-        run_dir = Path(trainer.default_root_dir)
-        lines = [f"run directory   {_shown(run_dir)}"]
-        # Only files that exist: a user's ModelCheckpoint may monitor nothing, keep no last.ckpt, or save elsewhere.
-        if best and Path(best).is_file():
-            lines.append(f"best checkpoint {_shown(best)}" + (f" ({monitor} {_fmt(score)})" if monitor else ""))
-        if lasts:
-            lines.append(f"last checkpoint {_shown(lasts[0])}  (resume: add --ckpt_path last)")
-        for folder in dict.fromkeys(c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)):
-            saved = sorted(Path(folder).glob("*.ckpt")) if folder and Path(folder).is_dir() else []
-            lines.append(f"checkpoints     {_shown(folder)}: {len(saved)} file(s)" if saved else
-                         f"checkpoints     none saved in {_shown(folder)}")
-        lines.append(f"resolved config {_shown(run_dir / 'config.yaml')}")
-        for logger in trainer.loggers:
-            name = next(c.__name__ for c in type(logger).__mro__ if c.__module__.startswith("lightning."))
-            lines.append(f"{name:<15} {_shown(logger.log_dir or logger.save_dir)}")
-        lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {_shown(run_dir.parent)})")
-        rank_zero_info("\n".join(lines))
-
-
-def _shown(path: str | os.PathLike) -> str:
-    """`path` relative to the working directory when it lies below it (short lines to copy), else as it is."""
-    if not path:
-        return ""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def _run_dir(config) -> Path:
-    """The run directory of a subcommand's config: trainer.default_root_dir, with one sub-folder per W&B run under
-    `wandb agent`, which runs the sweep file's single command line for every trial (and sets these variables)."""
-    run_dir = Path(config.trainer.default_root_dir or "runs/default")
-    agent_run = os.environ.get("WANDB_RUN_ID") if os.environ.get("WANDB_SWEEP_ID") else None
-    return run_dir / agent_run if agent_run and run_dir.name != agent_run else run_dir
-
-
-def _wandb_online() -> bool:
-    """Whether WandbLogger goes online although its config says offline: with WANDB_API_KEY set, or under `wandb
-    agent` (WANDB_SWEEP_ID), whose login sits in ~/.netrc rather than in the environment. WANDB_MODE, when set, wins."""
-    return "WANDB_MODE" not in os.environ and bool(os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_SWEEP_ID"))
-
-
-def _checkpoint_callbacks(config) -> list:
-    """The ModelCheckpoint entries of a subcommand's config (not yet instantiated)."""
-    return [c for c in config.trainer.callbacks or [] if c.class_path.endswith("ModelCheckpoint")]
+        rank_zero_info(closing_summary(trainer, best, score, monitor, lasts))
 
 
 class _ModelInstantiator(_InstantiatorFn):
@@ -223,27 +181,6 @@ class _ModelInstantiator(_InstantiatorFn):
         return super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
 
 
-class _WandbInstantiator:
-    """Builds every WandbLogger as a SecretSafeWandbLogger; a fit resumed from a checkpoint continues the W&B run of
-    its run directory instead of starting a second one.
-    The id is read here rather than put in the config, so that config.yaml, rerun elsewhere (a sweep's best.yaml,
-    say), starts a W&B run of its own."""
-
-    def __init__(self, cli: ImgclsCLI) -> None:
-        self.cli = cli
-
-    def __call__(self, class_type, *args, **kwargs):
-        if class_type is WandbLogger:  # the same logger, with the command line it records masked
-            class_type = SecretSafeWandbLogger
-        config = self.cli.config[self.cli.subcommand]
-        saved = _run_dir(config) / WANDB_RUN_ID_FILE
-        if self.cli.subcommand == "fit" and config.ckpt_path and kwargs.get("id") is None \
-                and kwargs.get("version") is None and saved.is_file():
-            # resume explicitly: jsonargparse passes every wandb.init argument, None included, over Lightning's "allow"
-            kwargs.update(id=saved.read_text().strip(), resume="allow")
-        return class_type(*args, **kwargs)
-
-
 class _DataInstantiator(_InstantiatorFn):
     """With `data.root: null` there are no folders to list: the classes come from the checkpoint's hyperparameters,
     which LightningCLI has merged into `model`, so the data -> model links do not overwrite them with None."""
@@ -256,18 +193,6 @@ class _DataInstantiator(_InstantiatorFn):
             datamodule.class_names = list(model.class_names)
             datamodule.multilabel = bool(model.get("multilabel"))
         return datamodule
-
-
-def _raised_here(err: BaseException) -> bool:
-    """True when `err` was raised by this project's own checks (a ValueError from deep in torch keeps its traceback)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(_PACKAGES)
-
-
-def _fmt(score) -> str:
-    return f"{float(score):.4f}" if score is not None else "-"
 
 
 def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
@@ -296,26 +221,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         cli_main(argv)  # None: LightningCLI reads sys.argv itself
-    except USER_ERRORS as err:
-        if isinstance(err, UnreadableImageError) and not os.environ.get("IMGCLS_TRACEBACK"):
-            # From a loader worker it arrives re-raised by torch, its message the worker's whole traceback: the last
-            # line is ours.
-            print(f"imgcls: error: {str(err).strip().splitlines()[-1].split('UnreadableImageError: ')[-1]}",
-                  file=sys.stderr)
-            sys.exit(2)
-        if os.environ.get("IMGCLS_TRACEBACK") or not _raised_here(err):
+    except Exception as err:
+        code = exit_code(err)  # a one-line message printed for the user's mistakes and lost peers; None: re-raise
+        if code is None:
             raise
-        # Bad config values, data layout, images or checkpoints: our messages name the key or file and the fix, so
-        # the traceback adds nothing for the user (IMGCLS_TRACEBACK=1 shows it).
-        print(f"imgcls: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except RuntimeError as err:
-        message = lost_peer_message(err)
-        if message is None or os.environ.get("IMGCLS_TRACEBACK"):
-            raise
-        print(f"imgcls: error: {message}", file=sys.stderr)
-        sys.exit(1)
-
+        sys.exit(code)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,51 @@
+"""How `imgcls` reports errors: the user's mistakes (a config value, a file, a folder, an image) and a lost peer
+in one line that names the key or file and the fix, without a traceback (IMGCLS_TRACEBACK=1 shows it); anything
+else with its traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from datamodules.image_folder import UnreadableImageError
+from training.checkpointing import CheckpointWriteError, UnsafeCheckpointError
+from training.faults import NonFiniteLossError, lost_peer_message
+
+# Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError, NonFiniteLossError,
+               CheckpointWriteError)
+_PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
+                                                                             "training"))
+
+
+def exit_code(err: BaseException) -> int | None:
+    """Print `err` in one line and return the exit code (2: the user's input, 1: a lost peer), or None when it is to be
+    raised with its traceback."""
+    if os.environ.get("IMGCLS_TRACEBACK"):
+        return None
+    if isinstance(err, UnreadableImageError):
+        # From a loader worker it arrives re-raised by torch, its message the worker's whole traceback: the last line
+        # is ours.
+        print(f"imgcls: error: {str(err).strip().splitlines()[-1].split('UnreadableImageError: ')[-1]}",
+              file=sys.stderr)
+        return 2
+    if isinstance(err, USER_ERRORS):
+        if not raised_here(err):  # a ValueError from deep inside torch: its traceback says where
+            return None
+        # Bad config values, data layout, images or checkpoints: our messages name the key or file and the fix.
+        print(f"imgcls: error: {err}", file=sys.stderr)
+        return 2
+    message = lost_peer_message(err) if isinstance(err, RuntimeError) else None
+    if message is None:
+        return None
+    print(f"imgcls: error: {message}", file=sys.stderr)
+    return 1
+
+
+def raised_here(err: BaseException) -> bool:
+    """True when `err` was raised by this project's own checks (a ValueError from deep in torch keeps its traceback)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(_PACKAGES)

@@ -1,0 +1,129 @@
+"""The run directory: where a run's config, checkpoints and logs go, the config saved into it, and the summary
+printed at the end of a fit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
+
+from training.secrets import redact_secrets, redact_values
+
+WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run that a resumed fit continues
+
+
+def run_dir(config) -> Path:
+    """The run directory of a subcommand's config: trainer.default_root_dir, with one sub-folder per W&B run under
+    `wandb agent`, which runs the sweep file's single command line for every trial (and sets these variables)."""
+    folder = Path(config.trainer.default_root_dir or "runs/default")
+    agent_run = os.environ.get("WANDB_RUN_ID") if os.environ.get("WANDB_SWEEP_ID") else None
+    return folder / agent_run if agent_run and folder.name != agent_run else folder
+
+
+def checkpoint_callbacks(config) -> list:
+    """The ModelCheckpoint entries of a subcommand's config (not yet instantiated)."""
+    return [c for c in config.trainer.callbacks or [] if c.class_path.endswith("ModelCheckpoint")]
+
+
+class RunConfig(SaveConfigCallback):
+    """Writes the resolved config to `<run dir>/config.yaml` (rank 0; `validate_config.yaml` etc. for the other
+    commands), so the run can be re-run from its folder,
+    and logs it to every logger as hyperparameters, with the git commit (and dirty flag) and the images per class;
+    secrets (URL passwords, API keys) are masked in both. A fit also records its W&B run id in the run directory."""
+
+    def __init__(self, parser, config, **kwargs) -> None:
+        kwargs["save_to_log_dir"] = False  # the run directory, not the first logger's folder
+        super().__init__(parser, config, **kwargs)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning logs the model's and the DataModule's hyperparameters to every logger and stores them in each
+        # checkpoint: a password in any string value would leak there too, so those copies are masked as well.
+        for obj in (pl_module, trainer.datamodule):
+            for name in ("_hparams", "_hparams_initial"):
+                if isinstance(getattr(obj, name, None), dict):
+                    setattr(obj, name, type(getattr(obj, name))(redact_values(getattr(obj, name))))
+        super().setup(trainer, pl_module, stage)
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        folder = Path(trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        text = redact_secrets(self.parser.dump(self.config, skip_none=False))
+        # validate/test/predict, run from <run>/config.yaml, must not overwrite the config that trained the run.
+        stage = getattr(stage, "value", stage)  # a TrainerFn: "fit", "validate", "test", "predict"
+        name = self.config_filename if stage == "fit" else f"{stage}_{self.config_filename}"
+        (folder / name).write_text(text)
+        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+            if isinstance(logger, WandbLogger) and stage == "fit":
+                # log_hyperparams has started the W&B run; `imgcls fit --ckpt_path ...` passes this id back to it.
+                (folder / WANDB_RUN_ID_FILE).write_text(f"{logger.version}\n")
+
+
+def git_state() -> dict[str, str | bool]:
+    """The commit of the code that runs, and whether tracked files differ from it ("unknown" outside a checkout)."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": False}
+
+
+def data_summary(datamodule) -> dict[str, dict[str, int]]:
+    """Images per class for each split the DataModule has set up: {"train": {"cat": 120, ...}, "val": {...}} (for
+    multi-label data, the images that carry each label)."""
+    summary = {}
+    names = getattr(datamodule, "class_names", None) or []
+    for split in ("train", "val", "test"):
+        targets = getattr(getattr(datamodule, f"{split}_set", None), "targets", None)
+        if targets is None or not len(targets):
+            continue
+        targets = np.asarray(targets)
+        counts = targets.sum(axis=0) if targets.ndim == 2 else np.bincount(targets)
+        summary[split] = {names[c] if c < len(names) else str(c): int(n) for c, n in enumerate(counts) if n}
+    return summary
+
+
+def closing_summary(trainer, best: str, score, monitor: str | None, lasts: list[str]) -> str:
+    """Where a finished fit left everything: run directory, checkpoints (only files that exist), config, loggers."""
+    folder_of_run = Path(trainer.default_root_dir)
+    lines = [f"run directory   {relative_to_cwd(folder_of_run)}"]
+    # Only files that exist: a user's ModelCheckpoint may monitor nothing, keep no last.ckpt, or save elsewhere.
+    if best and Path(best).is_file():
+        lines.append(f"best checkpoint {relative_to_cwd(best)}" + (f" ({monitor} {format_score(score)})" if monitor else ""))
+    if lasts:
+        lines.append(f"last checkpoint {relative_to_cwd(lasts[0])}  (resume: add --ckpt_path last)")
+    for folder in dict.fromkeys(c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)):
+        saved = sorted(Path(folder).glob("*.ckpt")) if folder and Path(folder).is_dir() else []
+        lines.append(f"checkpoints     {relative_to_cwd(folder)}: {len(saved)} file(s)" if saved else
+                     f"checkpoints     none saved in {relative_to_cwd(folder)}")
+    lines.append(f"resolved config {relative_to_cwd(folder_of_run / 'config.yaml')}")
+    for logger in trainer.loggers:
+        name = next(c.__name__ for c in type(logger).__mro__ if c.__module__.startswith("lightning."))
+        lines.append(f"{name:<15} {relative_to_cwd(logger.log_dir or logger.save_dir)}")
+    lines.append(f"dashboard       make dashboard   (or: tensorboard --logdir {relative_to_cwd(folder_of_run.parent)})")
+    return "\n".join(lines)
+
+
+def relative_to_cwd(path: str | os.PathLike) -> str:
+    """`path` relative to the working directory when it lies below it (short lines to copy), else as it is."""
+    if not path:
+        return ""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def format_score(score) -> str:
+    return f"{float(score):.4f}" if score is not None else "-"
