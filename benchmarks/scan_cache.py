@@ -24,8 +24,8 @@ import numpy as np
 from PIL import Image
 
 from benchmarks.common import machine, standalone, store, table, verdict
+from datamodules.bad_images import ScanCache, find_bad_images
 from datamodules.images import find_classes, scan_split
-from datamodules.validation import ScanCache, find_bad_images
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "scan_cache.json"

@@ -25,6 +25,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.transforms.v2 import functional as TF
 
 from datamodules import hardware
+from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.images import (
     LABELS_CSV,
     decode_images,
@@ -46,7 +47,6 @@ from datamodules.presets import (
     float_transform,
 )
 from datamodules.samplers import BalancedSampler, RepeatedAugmentationSampler
-from datamodules.validation import ScanCache, bad_images_message, find_bad_images
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.normalize_on_device = normalize_on_device
         self.augment_on_device = augment_on_device
         self.fast_decode = fast_decode
-        self._device_transforms: dict[bool, object] = {}  # train? -> uint8 preset, for augment_on_device
+        self._device_transforms: dict[str, object] = {}  # "train" | "eval" -> uint8 preset, for augment_on_device
         self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
         self.bad_images = bad_images
         self.scan_cache = scan_cache
@@ -358,15 +358,16 @@ class ImageFolderDataModule(L.LightningDataModule):
     # ---- datasets -------------------------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
-        uint8 = self.normalize_on_device or self.augment_on_device
-        train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.train_image_size, uint8_output=uint8,
-                                             fast_decode=self.fast_decode, **self.augment)
-        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.eval_image_size, uint8_output=uint8,
-                                           resize_size=self.eval_resize_size)
+        outputs_uint8 = self.normalize_on_device or self.augment_on_device
+        train_tf = ClassificationPresetTrain(preset=self.preset, image_size=self.train_image_size,
+                                             uint8_output=outputs_uint8, fast_decode=self.fast_decode, **self.augment)
+        eval_tf = ClassificationPresetEval(preset=self.preset, image_size=self.eval_image_size,
+                                           uint8_output=outputs_uint8, resize_size=self.eval_resize_size)
         # With fast_decode the training transform decodes each JPEG for its crop (reduced size when it can).
-        read, train_read = read_image, read_encoded if self.fast_decode else read_image
+        read = read_image
+        train_read = read_encoded if self.fast_decode else read_image
         if self.augment_on_device:  # the workers read; `augment_batch` decodes and transforms on the device
-            self._device_transforms = {True: train_tf, False: eval_tf}
+            self._device_transforms = {"train": train_tf, "eval": eval_tf}
             train_tf = eval_tf = None
             read = train_read = read_encoded
         if stage == "predict":
@@ -575,7 +576,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         The preset's transforms run image by image (each draws its own crop); with `seed`, from a generator forked
         for this batch, so that the draws do not depend on what else consumed random numbers before.
         """
-        transform = self._device_transforms[train]
+        transform = self._device_transforms["train" if train else "eval"]
         images = decode_images(items, device)
         if seed is None:
             return stack_images([transform(image) for image in images])

@@ -336,8 +336,8 @@ class ImageClassifier(L.LightningModule):
             optimizer = Lamb(groups, lr=groups[0]["lr"], betas=(hp.momentum, 0.999),
                              foreach=chosen in ("foreach", "fused") or None)
 
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        # Optimizer steps per epoch from the loader, not total / max_epochs: with max_steps and no max_epochs that
+        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        # Optimizer steps per epoch from the loader, not total_steps / max_epochs: with max_steps and no max_epochs,
         # "epoch" would be the whole run, and warm-up with it.
         if self.trainer.train_dataloader is None and self._trainer.state.fn == "fit":
             self.trainer.fit_loop.setup_data()  # max_steps runs: estimated_stepping_batches does not build it
@@ -345,26 +345,26 @@ class ImageClassifier(L.LightningModule):
         if math.isfinite(batches):
             per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches)
         else:  # no loader yet (an iterable of unknown length): the configured epochs
-            per_epoch = total // epochs if epochs and epochs > 0 else total
-        steps_per_epoch = max(1, min(total, per_epoch))
-        warmup = int(hp.warmup_epochs * steps_per_epoch)
-        frozen = hp.freeze_backbone_epochs * steps_per_epoch
+            per_epoch = total_steps // epochs if epochs and epochs > 0 else total_steps
+        steps_per_epoch = max(1, min(total_steps, per_epoch))
+        warmup_steps = int(hp.warmup_epochs * steps_per_epoch)
+        frozen_steps = hp.freeze_backbone_epochs * steps_per_epoch
 
         def schedule(step: int) -> float:  # warm-up, then cosine to zero; a pure function of the step
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            if step < warmup_steps:
+                return (step + 1) / warmup_steps
+            progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
             return 0.5 * (1.0 + math.cos(math.pi * progress))
 
         def backbone_schedule(step: int) -> float:
-            return 0.0 if step < frozen else schedule(step)
+            return 0.0 if step < frozen_steps else schedule(step)
 
         lambdas = [schedule if g["is_head"] else backbone_schedule for g in groups]
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
         rank_zero_info(
             f"lr {hp.lr:g} per 256 images x {self.lr_scale():.4g} ({hp.lr_scaling} scaling, global batch "
             f"{self.trainer.world_size} x {hp.batch_size} x {self.trainer.accumulate_grad_batches}) = "
-            f"{hp.lr * self.lr_scale():.4g} for the head (peak); {total} steps, {warmup} of warm-up"
+            f"{hp.lr * self.lr_scale():.4g} for the head (peak); {total_steps} steps, {warmup_steps} of warm-up"
         )  # not groups[..]["lr"]: LambdaLR has already multiplied that by the schedule's first value
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

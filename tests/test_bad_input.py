@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import datamodules.validation as validation
+import datamodules.bad_images as bad_images
 from datamodules import ImageFolderDataModule
-from datamodules.validation import find_bad_images, image_problem
+from datamodules.bad_images import find_bad_images, image_problem
 from lightning_modules import ImageClassifier
 from tests.helpers import TINY, make_image_folder, run_cli
 from training.cli import main
@@ -62,7 +62,7 @@ def test_unreadable_file_is_reported(tmp_path, monkeypatch):
     if os.geteuid() == 0:
         # root ignores file modes, so the permission check is simulated (as on a file owned by another user).
         real_access = os.access
-        monkeypatch.setattr(validation.os, "access", lambda p, m: False if str(p) == str(path) else real_access(p, m))
+        monkeypatch.setattr(bad_images.os, "access", lambda p, m: False if str(p) == str(path) else real_access(p, m))
     assert image_problem(str(path)) == "no read permission"
 
 

@@ -21,7 +21,6 @@ import yaml
 import training.checkpointing as checkpointing
 from lightning_modules.network import build_network
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
-from training.secrets import redact_secrets
 from training.checkpointing import (
     AsyncAtomicCheckpointIO,
     AtomicCheckpointIO,
@@ -32,6 +31,7 @@ from training.checkpointing import (
     resolve_resume,
     tidy_checkpoint_folders,
 )
+from training.secrets import redact_secrets
 
 
 def _ckpt(value: float) -> dict:

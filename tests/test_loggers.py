@@ -24,8 +24,8 @@ from tests.helpers import (
     wandb_offline_env,
     wandb_run_record,
 )
-from training.wandb_runs import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
 from training.cli import ImgclsCLI, cli_main
+from training.wandb_runs import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
 
 EPOCHS = 2
 

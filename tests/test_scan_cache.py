@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import datamodules.validation as validation
+import datamodules.bad_images as bad_images
 from datamodules import ImageFolderDataModule
 from tests.helpers import make_image_folder
 
@@ -23,8 +23,8 @@ IMAGES = 16  # make_image_folder(root, {"a": 4, "b": 4}): 8 in train/, 8 in val/
 def decoded(monkeypatch) -> list[str]:
     """The paths the scan decodes, in the order it decodes them."""
     calls: list[str] = []
-    real = validation.image_problem
-    monkeypatch.setattr(validation, "image_problem", lambda path: calls.append(path) or real(path))
+    real = bad_images.image_problem
+    monkeypatch.setattr(bad_images, "image_problem", lambda path: calls.append(path) or real(path))
     return calls
 
 
@@ -148,7 +148,7 @@ def _plant(cache: Path, kind: str, marker: Path) -> None:
         cache.write_bytes(pickle.dumps(_Payload(marker)))
     elif kind == "object array":
         with open(cache, "wb") as f:
-            np.savez(f, version=np.array(validation.CACHE_VERSION), keys=np.array([_Payload(marker)], dtype=object))
+            np.savez(f, version=np.array(bad_images.CACHE_VERSION), keys=np.array([_Payload(marker)], dtype=object))
     elif kind == "arrays that disagree":
         with np.load(cache) as z:
             arrays = dict(z)
@@ -187,7 +187,7 @@ def test_a_read_only_data_folder_keeps_its_cache_in_the_user_cache(tmp_path, dec
                 raise OSError(30, "Read-only file system")
             return real_mkstemp(*args, dir=dir, **kwargs)
 
-        monkeypatch.setattr(validation.tempfile, "mkstemp", mkstemp)
+        monkeypatch.setattr(bad_images.tempfile, "mkstemp", mkstemp)
     try:
         _fit_setup(root)
         decoded.clear()

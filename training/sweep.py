@@ -32,7 +32,7 @@ GOALS = ("maximize", "minimize")
 DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "categorical")
 TOP_KEYS = {"name", "description", "method", "metric", "parameters", "early_terminate", "run_cap", "program",
             "command", "project", "entity"}
-ENV = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial id, metric, pruner
+TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial id, metric, pruner
 
 
 class SweepFileError(ValueError):
@@ -293,7 +293,7 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
     args = [*sweep.fixed_args, *trial_args(params), f"--trainer.default_root_dir={run_dir}"]
     env = dict(os.environ)
     # The storage URL may hold a password: it goes through the environment, never into a command line or config.
-    env[ENV] = json.dumps({"storage": url, "study": sweep.name, "trial_id": trial._trial_id, "metric": sweep.metric,
+    env[TRIAL_ENV_VAR] = json.dumps({"storage": url, "study": sweep.name, "trial_id": trial._trial_id, "metric": sweep.metric,
                            "hyperband": sweep.hyperband})
     env.setdefault("WANDB_RUN_GROUP", sweep.name)  # wandb runs of one sweep share a group
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
@@ -344,7 +344,7 @@ def _trial_callback():
                 final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
                 self._trial.storage.set_trial_user_attr(self._trial._trial_id, "final_metrics", final)
 
-    return SweepTrial(json.loads(os.environ[ENV]))
+    return SweepTrial(json.loads(os.environ[TRIAL_ENV_VAR]))
 
 
 # ---- results ----------------------------------------------------------------------------------------------------
