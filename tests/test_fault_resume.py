@@ -37,8 +37,9 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's
     synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `recipe`
     turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat, an EMA of the weights
-    (Lightning's EMAWeightAveraging), whose average a resume must carry on, and a backbone frozen for epoch 0,
-    which the kills before and after its thaw must not disturb.
+    (Lightning's EMAWeightAveraging), whose average a resume must carry on, a backbone frozen for epoch 0,
+    which the kills before and after its thaw must not disturb, and one of the recipe's samplers, whose position
+    a resume must restore: class-balanced sampling on one process, repeated augmentation (2 copies) on several.
     """
     cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
@@ -58,8 +59,10 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
         cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0, freeze_backbone_epochs=1)  # thaws at epoch 1
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
+    if recipe:
+        cfg["data"].update({"sampler": "balanced"} if devices == 1 else {"repeated_augmentation": 2})
     assert cfg["auto_resume"] is True  # shipped on
-    path = tmp_path / f"config{devices}{'_recipe' if recipe else ''}.yaml"
+    path = tmp_path / f"config{devices}{'_recipe' if recipe else ''}{'_background' if background_writes else ''}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -97,10 +100,12 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
     """The kill points follow one another in one run folder, as in the DDP test below, in an order where each resume
     but the first trains steps that the end weights keep: killed during epoch 0's validation; resumed and killed
     after step 3; resumed by --ckpt_path last and killed after step 5; resumed past a truncated last.ckpt to the end,
-    with the weights of the run that was never killed."""
-    config = _config(tmp_path, data)
+    with the weights of the run that was never killed. The recipe is on (mixup, CutMix, EMA, a frozen epoch, the
+    class-balanced sampler): the EMA weights (state_dict) and the trained ones must both match."""
+    config = _config(tmp_path, data, recipe=True)
     _fit(config, tmp_path / "reference")
     reference = _weights(tmp_path / "reference")
+    trained = _weights(tmp_path / "reference", "current_model_state")
     run = tmp_path / "killed"
     checkpoints = run / "checkpoints"
     expected = {(step, where): checkpoints / name for step, where, name in KILL_POINTS}
@@ -129,15 +134,16 @@ def test_sigkill_at_any_point_resumes_to_identical_weights(tmp_path, data):
     # epoch 0's best, written with last.ckpt at the end of its validation
     assert resumed_from.parent == checkpoints and resumed_from.name.startswith("epoch000-"), resumed_from
     assert how == "auto_resume"
-    report = {"(4, val), (3, train), (5, train) in turn": max_diff(reference, _weights(run))}
+    report = {"(4, val), (3, train), (5, train) in turn": max_diff(reference, _weights(run)),
+              "the same, trained weights": max_diff(trained, _weights(run, "current_model_state"))}
     # The production config's background writer: a kill may come while the newest checkpoint is still being
     # written, and the resume then starts from an older one (or from scratch), never from a partial file, and still
     # ends the same.
     run = tmp_path / "kill_train5_background_writes"
-    _kill(_config(tmp_path, data, background_writes=True), run, 5, "train")
+    _kill(_config(tmp_path, data, background_writes=True, recipe=True), run, 5, "train")
     # A write cut short leaves at most its hidden temporary file: every file named *.ckpt is whole.
     assert all(checkpoint_problem(c) is None for c in (run / "checkpoints").glob("*.ckpt"))
-    _fit(_config(tmp_path, data, background_writes=True), run)
+    _fit(_config(tmp_path, data, background_writes=True, recipe=True), run)
     report["(5, train), background writes"] = max_diff(reference, _weights(run))
     print("1 process, max |w - w_ref|:", report)
     assert all(diff <= 1e-6 for diff in report.values()), report
@@ -149,8 +155,8 @@ def test_sigkill_of_a_ddp_job_at_any_point_resumes_to_identical_weights(tmp_path
     resumes on both ranks. The kill points follow one another in one run folder: each resumed run is killed at the
     next point, and the last resume runs to the end, with the weights of the run that was never killed. Mixup,
     CutMix, an EMA of the weights and a backbone frozen for epoch 0 are on: each rank's draws must repeat after a
-    resume, the average go on, and the thaw happen at the same step. (The training samplers' replay is
-    tests/test_samplers.py's; here Lightning's own DistributedSampler, the shipped path, is resumed.)"""
+    resume, the average go on, and the thaw happen at the same step; repeated augmentation deals each image's 2
+    copies to the 2 ranks, and the resumed loaders continue that order."""
     config = _config(tmp_path, data, devices=2, recipe=True)
     _fit(config, tmp_path / "reference")
     run = tmp_path / "killed"
