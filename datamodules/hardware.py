@@ -97,7 +97,8 @@ def choose_precision(hw: Hardware, device: str) -> tuple[str, str]:
         flag = next(f for f in NATIVE_BF16_FLAGS if f in hw.cpu_flags)
         return "bf16-mixed", f"this CPU has native bf16 ({flag}): ~2x fp32's speed"
     if device == "cpu":
-        return "32-true", f"this CPU has no native bf16, no avx512_bf16 or amx: bf16 autocast would be {BF16_COST_WITHOUT_NATIVE}"
+        return "32-true", ("this CPU has no native bf16, no avx512_bf16 or amx: bf16 autocast would be "
+                           f"{BF16_COST_WITHOUT_NATIVE}")
     return "32-true", f"no mixed precision measured on {device}"
 
 

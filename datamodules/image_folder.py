@@ -274,7 +274,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         scan_cache: bool = True,
     ) -> None:
         super().__init__()
-        _check_args(batch_size, num_workers, val_split, preset, dict(image_size=image_size, train_image_size=train_image_size,
+        _check_args(batch_size, num_workers, val_split, preset, dict(image_size=image_size,
+                                                                     train_image_size=train_image_size,
                     eval_image_size=eval_image_size), bad_images)
         check_fast_decode(preset, fast_decode)
         self.save_hyperparameters()
@@ -342,7 +343,8 @@ class ImageFolderDataModule(L.LightningDataModule):
             return classes
         classes = find_classes(self.root / "train")
         if len(classes) < 2:
-            raise ValueError(f"{self.root / 'train'} has a single class ({classes[0]}); classification needs two or more")
+            raise ValueError(f"{self.root / 'train'} has a single class ({classes[0]}); classification needs two or "
+                             "more")
         for split in ("val", "test"):
             split_dir = self.root / split
             if split_dir.is_dir():
@@ -495,7 +497,8 @@ class ImageFolderDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
             collate_fn=_collate_encoded if self.augment_on_device else _collate_images,
-            worker_init_fn=functools.partial(_worker_init, rank=trainer.global_rank if trainer else 0) if workers else None,
+            worker_init_fn=(functools.partial(_worker_init, rank=trainer.global_rank if trainer else 0)
+                            if workers else None),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -33,7 +33,8 @@ def auto_augment_transform(policy: AutoAugment, magnitude: int | None = None) ->
         return None
     if policy == "autoaugment":
         if magnitude is not None:
-            raise ValueError("data.auto_augment_magnitude has no meaning for autoaugment (ImageNet policy); set it null")
+            raise ValueError("data.auto_augment_magnitude has no meaning for autoaugment (ImageNet policy); set it "
+                             "null")
         return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
     key, default = {"trivialaugment": ("num_magnitude_bins", 31), "randaugment": ("magnitude", 9),
                     "augmix": ("severity", 3)}[policy]

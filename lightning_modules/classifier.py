@@ -122,7 +122,8 @@ class ImageClassifier(L.LightningModule):
         if loss not in Loss.__args__:
             raise ValueError(f"model.loss={loss!r} is unknown; choose {' or '.join(Loss.__args__)}")
         if optimizer_impl not in OptimizerImpl.__args__:
-            raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose {', '.join(OptimizerImpl.__args__)}")
+            raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose "
+                             f"{', '.join(OptimizerImpl.__args__)}")
         for key, value in (("channels_last", channels_last), ("compile", compile)):
             if value not in (True, False, "auto"):
                 raise ValueError(f"model.{key}={value!r} is unknown; choose true, false or auto")
@@ -282,7 +283,7 @@ class ImageClassifier(L.LightningModule):
         self._apply_freeze()  # the thaw epoch
 
     def _apply_freeze(self) -> None:
-        """requires_grad and the BatchNorm mode of the backbone for the current epoch; DDP re-wrapped if they changed."""
+        """requires_grad and the BatchNorm mode of the backbone for the current epoch; DDP re-wrapped on a change."""
         if self.hparams.freeze_backbone_epochs and self._set_backbone_trainable(not self.backbone_frozen()):
             strategy = self.trainer.strategy
             if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):

@@ -126,7 +126,8 @@ def _state_dict_from_file(path: Path, key: str = "model.weights") -> dict[str, t
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(f"{key}={path} holds pickled objects beyond tensors, which could run code when "
-                         "loaded; refusing it. Re-save it as a plain state dict (torch.save(model.state_dict()))") from None
+                         "loaded; refusing it. Re-save it as a plain state dict "
+                         "(torch.save(model.state_dict()))") from None
     if isinstance(state, dict) and "state_dict" in state:  # a Lightning checkpoint of this project
         state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
     if not isinstance(state, dict) or not state:

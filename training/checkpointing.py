@@ -1,4 +1,5 @@
-"""Checkpoint integrity: atomic, finite-only writes, safe (weights_only) loads, and picking an intact checkpoint to resume.
+"""Checkpoint integrity: atomic, finite-only writes, safe (weights_only) loads, and picking an intact checkpoint to
+resume.
 
     imgcls fit --config configs/quickstart.yaml --ckpt_path last   # newest intact checkpoint of the run
 """
@@ -198,7 +199,8 @@ def unsafe_message(path, err: Exception) -> str:
     # torch's own message is a page long; its last line names the offending global.
     detail = [line.strip() for line in str(err).splitlines() if "Unsupported global" in line]
     return (f"refusing to load {path}: it holds pickled objects other than tensors and plain containers, which could "
-            f"run code when loaded ({detail[0] if detail else type(err).__name__}); only use files from a trusted source")
+            f"run code when loaded ({detail[0] if detail else type(err).__name__}); only use files from a trusted "
+            "source")
 
 
 def _check_finite(state_dict: dict[str, Any], path: Path) -> None:
@@ -283,9 +285,9 @@ def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | list[Path], auto_resu
     """The checkpoint `fit` should resume from, as this process sees the disk (read-only).
 
     `last` (or `auto_resume` with no ckpt_path) means the newest intact checkpoint of the run's checkpoint folders
-    (`ckpt_dir`: one, or every folder the run's callbacks write to), whichever callback wrote it. An explicit path that is broken falls
-    back to the newest intact checkpoint of its own folder. Under several processes, rank 0's plan is the one that
-    every rank follows (`agree_on_resume`, once the process group is up).
+    (`ckpt_dir`: one, or every folder the run's callbacks write to), whichever callback wrote it. An explicit path
+    that is broken falls back to the newest intact checkpoint of its own folder. Under several processes, rank 0's
+    plan is the one that every rank follows (`agree_on_resume`, once the process group is up).
     """
     if ckpt_path is None and not auto_resume:
         return ResumePlan(None)

@@ -162,7 +162,8 @@ class ImgclsCLI(LightningCLI):
                  if isinstance(c, ModelCheckpoint) and c.last_model_path and Path(c.last_model_path).is_file()]
         averaging = next((c for c in trainer.callbacks if isinstance(c, WeightAveraging)), None)
         if averaging is not None:
-            rank_zero_info(f"{type(averaging).__name__}: validation ran with the averaged weights, and checkpoints hold "
+            rank_zero_info(f"{type(averaging).__name__}: validation ran with the averaged weights, and checkpoints "
+                           "hold "
                            "them as their state_dict (the trained weights as current_model_state)")
         if trainer.strategy.broadcast(bool(best) and Path(best).is_file()):
             trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)

@@ -192,7 +192,8 @@ def _figure_to_array(fig: plt.Figure) -> np.ndarray:
 def _publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarray) -> None:
     """Per-class scores as a table: Markdown text in TensorBoard, a wandb.Table in W&B."""
     columns = ["class", "precision", "recall", "f1", "support"]
-    rows = [[name, *(round(float(v), 4) for v in row[:3]), int(row[3])] for name, row in zip(names, scores, strict=True)]
+    rows = [[name, *(round(float(v), 4) for v in row[:3]), int(row[3])]
+            for name, row in zip(names, scores, strict=True)]
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             text = "\n".join(["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|",

@@ -100,7 +100,8 @@ def closing_summary(trainer, best: str, score, monitor: str | None, lasts: list[
     lines = [f"run directory   {relative_to_cwd(folder_of_run)}"]
     # Only files that exist: a user's ModelCheckpoint may monitor nothing, keep no last.ckpt, or save elsewhere.
     if best and Path(best).is_file():
-        lines.append(f"best checkpoint {relative_to_cwd(best)}" + (f" ({monitor} {format_score(score)})" if monitor else ""))
+        scored = f" ({monitor} {format_score(score)})" if monitor else ""
+        lines.append(f"best checkpoint {relative_to_cwd(best)}{scored}")
     if lasts:
         lines.append(f"last checkpoint {relative_to_cwd(lasts[0])}  (resume: add --ckpt_path last)")
     for folder in dict.fromkeys(c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)):

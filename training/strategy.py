@@ -47,7 +47,8 @@ def build_comm_hook(compression: Compression, module: torch.nn.Module, process_g
             warm_start=warm_start,
         )
         return state, ResumablePowerSGDHook({id(p): name for name, p in module.named_parameters()})
-    raise ValueError(f"trainer.strategy.compression={compression!r} is unknown; choose one of {', '.join(COMPRESSIONS)}")
+    raise ValueError(f"trainer.strategy.compression={compression!r} is unknown; choose one of "
+                     f"{', '.join(COMPRESSIONS)}")
 
 
 class CompressedDDPStrategy(DDPStrategy):

@@ -293,8 +293,8 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
     args = [*sweep.fixed_args, *trial_args(params), f"--trainer.default_root_dir={run_dir}"]
     env = dict(os.environ)
     # The storage URL may hold a password: it goes through the environment, never into a command line or config.
-    env[TRIAL_ENV_VAR] = json.dumps({"storage": url, "study": sweep.name, "trial_id": trial._trial_id, "metric": sweep.metric,
-                           "hyperband": sweep.hyperband})
+    env[TRIAL_ENV_VAR] = json.dumps({"storage": url, "study": sweep.name, "trial_id": trial._trial_id,
+                                     "metric": sweep.metric, "hyperband": sweep.hyperband})
     env.setdefault("WANDB_RUN_GROUP", sweep.name)  # wandb runs of one sweep share a group
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     run_dir.mkdir(parents=True, exist_ok=True)
