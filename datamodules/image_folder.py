@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import lightning as L
 import numpy as np
@@ -49,6 +49,9 @@ from datamodules.presets import (
 from datamodules.samplers import BalancedSampler, RepeatedAugmentationSampler
 
 log = logging.getLogger(__name__)
+
+
+Sampling = Literal["random", "balanced"]  # data.sampler
 
 
 class _ArraySequence(Sequence):
@@ -261,7 +264,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         auto_augment_magnitude: int | None = None,
         random_erasing: float = 0.0,
         repeated_augmentation: int = 1,
-        sampler: Literal["random", "balanced"] = "random",
+        sampler: Sampling = "random",
         balance_power: float = 1.0,
         prefetch_factor: int = 2,
         persistent_workers: bool = True,
@@ -300,8 +303,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         if repeated_augmentation < 1:
             raise ValueError(f"data.repeated_augmentation={repeated_augmentation} must be at least 1 (1 is off)")
         self.repeated_augmentation = repeated_augmentation
-        if sampler not in ("random", "balanced"):
-            raise ValueError(f"data.sampler={sampler!r} is unknown; choose random or balanced")
+        if sampler not in get_args(Sampling):
+            raise ValueError(f"data.sampler={sampler!r} is unknown; choose {' or '.join(get_args(Sampling))}")
         if sampler == "balanced" and repeated_augmentation > 1:
             raise ValueError("data.sampler=balanced and data.repeated_augmentation > 1 are two samplers; choose one")
         if balance_power < 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from PIL import Image
@@ -15,9 +15,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 Preset = Literal["imagenet", "keras", "none"]
-PRESETS: tuple[str, ...] = Preset.__args__
+PRESETS: tuple[str, ...] = get_args(Preset)
 AutoAugment = Literal["none", "trivialaugment", "randaugment", "autoaugment", "augmix"]
-AUTO_AUGMENTS: tuple[str, ...] = AutoAugment.__args__
+AUTO_AUGMENTS: tuple[str, ...] = get_args(AutoAugment)
 
 
 def auto_augment_transform(policy: AutoAugment, magnitude: int | None = None) -> v2.Transform | None:

@@ -4,7 +4,7 @@ per split."""
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import lightning as L
 import torch
@@ -30,6 +30,7 @@ Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
 Optimizer = Literal["sgd", "adamw", "lamb"]
 Loss = Literal["ce", "bce"]
+LrScaling = Literal["linear", "sqrt", "none"]
 
 
 class ImageClassifier(L.LightningModule):
@@ -94,7 +95,7 @@ class ImageClassifier(L.LightningModule):
         loss: Loss = "ce",
         bce_target_threshold: float | None = None,
         lr: float = 0.1,
-        lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
+        lr_scaling: LrScaling = "linear",
         momentum: float = 0.9,
         nesterov: bool = True,
         weight_decay: float = 1e-4,
@@ -119,11 +120,11 @@ class ImageClassifier(L.LightningModule):
                              "multi-label (train/labels.csv): set both to 0")
         if bce_target_threshold is not None and not 0.0 <= bce_target_threshold < 1.0:
             raise ValueError(f"model.bce_target_threshold={bce_target_threshold} must be in [0, 1), or null")
-        if loss not in Loss.__args__:
-            raise ValueError(f"model.loss={loss!r} is unknown; choose {' or '.join(Loss.__args__)}")
-        if optimizer_impl not in OptimizerImpl.__args__:
+        if loss not in get_args(Loss):
+            raise ValueError(f"model.loss={loss!r} is unknown; choose {' or '.join(get_args(Loss))}")
+        if optimizer_impl not in get_args(OptimizerImpl):
             raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose "
-                             f"{', '.join(OptimizerImpl.__args__)}")
+                             f"{', '.join(get_args(OptimizerImpl))}")
         for key, value in (("channels_last", channels_last), ("compile", compile)):
             if value not in (True, False, "auto"):
                 raise ValueError(f"model.{key}={value!r} is unknown; choose true, false or auto")
@@ -453,10 +454,10 @@ def _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_deca
         raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
     if class_names is not None and len(class_names) != num_classes:
         raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
-    if optimizer not in Optimizer.__args__:
-        raise ValueError(f"model.optimizer={optimizer!r} is unknown; choose {', '.join(Optimizer.__args__)}")
-    if lr_scaling not in ("linear", "sqrt", "none"):
-        raise ValueError(f"model.lr_scaling={lr_scaling!r} is unknown; choose linear, sqrt or none")
+    if optimizer not in get_args(Optimizer):
+        raise ValueError(f"model.optimizer={optimizer!r} is unknown; choose {', '.join(get_args(Optimizer))}")
+    if lr_scaling not in get_args(LrScaling):
+        raise ValueError(f"model.lr_scaling={lr_scaling!r} is unknown; choose {', '.join(get_args(LrScaling))}")
     if not lr > 0:
         raise ValueError(f"model.lr={lr} must be positive")
     for key, value in (("weight_decay", weight_decay), ("warmup_epochs", warmup_epochs),

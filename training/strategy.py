@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
 
 # Checkpoint key of the PowerSGD state: one entry per rank, because the error-feedback memory is rank-local.
 POWERSGD_KEY = "powersgd_state"
