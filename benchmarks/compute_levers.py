@@ -65,15 +65,15 @@ def train_step(*, arch: str = "resnet50", size: int = 224, batch: int = 8, chann
     return step
 
 
-def measure(levers: dict[str, dict], size: int, batch: int, steps: int, reps: int,
-            arch: str) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds per step of every lever, interleaved; and the seconds of each lever's first two steps."""
+def measure(levers: dict[str, dict], size: int, batch: int, steps: int, reps: int, arch: str,
+            warmup: int = 2) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per step of every lever, interleaved; and the seconds of each lever's first `warmup` steps."""
     candidates, first = {}, {}
     for name, options in levers.items():
         step = train_step(arch=arch, size=size, batch=batch, **options)
         start = time.perf_counter()
-        step()  # warm-up: allocator, oneDNN primitives, compilation for torch.compile
-        step()
+        for _ in range(warmup):  # allocator, oneDNN primitives, compilation for torch.compile
+            step()
         first[name] = time.perf_counter() - start
         candidates[name] = lambda step=step: lap_times(steps, step)
     return interleaved(candidates, reps), first
@@ -90,7 +90,7 @@ def main(quick: bool = False) -> str:
     per_size = {}
     for size, batch, steps, reps in settings:
         here = {k: v for k, v in levers.items() if size in compile_sizes or not v.get("compile")}
-        per_size[size] = measure(here, size, batch, steps, reps, arch)
+        per_size[size] = measure(here, size, batch, steps, reps, arch, warmup=1 if quick else 2)
     for name in levers:
         row = [name]
         for size, batch, *_ in settings:

@@ -111,10 +111,10 @@ def main(quick: bool = False, measure_here: bool = True) -> str:
     hw = hardware.detect()
     recipe = quickstart_recipe()
     if quick:
-        recipe.update(arch="resnet18", image_size=32, batch_size=4)
+        recipe.update(arch="resnet18", image_size=32, batch_size=2)
     entries = stored()
     if measure_here:
-        entry = record(hw, recipe, measure(recipe, reps=2 if quick else 5, hw=hw))  # emulated bf16: ~30 s a step
+        entry = record(hw, recipe, measure(recipe, reps=1 if quick else 5, hw=hw))  # emulated bf16: ~30 s a step
         if quick:  # checks only: stored figures are full-size runs
             entries = [entry]
         else:

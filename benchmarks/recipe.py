@@ -44,7 +44,8 @@ def fit(data: Path, run_dir: Path, extra: list[str], seed: int, epochs: int, qui
             "--trainer.enable_checkpointing", "false", "--trainer.callbacks=[]",
             "--trainer.callbacks+=benchmarks.time_to_accuracy.EpochClock", *extra]
     if quick:
-        args += ["--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--data.num_workers", "0"]
+        args += ["--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--data.num_workers", "0",
+                 "--data.batch_size", "16"]
     return _timed(args, run_dir / "clock.jsonl")
 
 
