@@ -19,7 +19,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli, wandb_offline_env, wandb_run_record
 from training.cli import cli_main
-from training.sweep import SweepFileError, load_sweep, make_pruner, make_sampler, print_table, trial_args
+from training.sweep import (
+    SweepFileError,
+    load_sweep,
+    make_pruner,
+    make_sampler,
+    print_table,
+    remaining,
+    suggest,
+    trial_args,
+)
 from training.sweep import main as sweep_main
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
@@ -115,6 +124,18 @@ def test_grid_expands_ranges_and_args_match_wandb_format(tmp_path):
     assert trial_args({"model.lr": 0.1, "model.nesterov": True}) == ["--model.lr=0.1", "--model.nesterov=True"]
 
 
+def test_grid_of_two_parameters_runs_each_combination_once(tmp_path):
+    """The 2x2 grid through the sweep's sampler, its suggestions and its count of points left, in memory (the sweep
+    test below runs a grid of trial processes, killed and resumed)."""
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path))
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(sweep, seed=0))
+    assert remaining(study, sweep, None) == 4
+    study.optimize(lambda trial: suggest(trial, sweep)["model.lr"], n_trials=4)
+    points = [(t.params["model.lr"], t.params["model.weight_decay"]) for t in study.trials]
+    assert sorted(points) == [(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)]
+    assert remaining(study, sweep, None) == 0
+
+
 @pytest.mark.parametrize("change, key", [
     ({"method": "hillclimb"}, "`method`"),
     ({"metric": {"goal": "maximize"}}, "`metric.name`"),
@@ -161,13 +182,19 @@ def _last_scalar(run_dir: Path, tag: str) -> float:
 
 @pytest.mark.slow
 def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reproduces(tmp_path, digits_root):
-    path = write_sweep(tmp_path / "grid.yaml", digits_root)
+    # Three points: one finished before the kill, one cut short by it, one not started yet. (A grid's combinations of
+    # two parameters: test_grid_of_two_parameters_runs_each_combination_once.)
+    path = write_sweep(tmp_path / "grid.yaml", digits_root, name="grid3", parameters={
+        "model.lr": {"values": [0.02, 0.05, 0.2]},
+        "model.weight_decay": {"values": [0.05]},
+        "trainer.max_epochs": {"value": 1},
+    })
     out = tmp_path / "sweep"
     db = out / "sweep.db"
     log = tmp_path / "first_run.log"
     cmd = [sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(out)]
 
-    # 1. Start the 2x2 grid sweep and kill it (the whole process group, as Ctrl-C or a job scheduler would) once
+    # 1. Start the grid sweep and kill it (the whole process group, as Ctrl-C or a job scheduler would) once
     #    the first trial has finished and the second one is running.
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=sink, stderr=subprocess.STDOUT,
@@ -179,7 +206,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
             # Read the study only once the sweep has created it: two processes creating one fresh SQLite schema
             # at once collide (optuna issue 1092).
             if "trial(s) to run" in log.read_text():
-                states = [t.state for t in _trials(db, "grid2x2")]
+                states = [t.state for t in _trials(db, "grid3")]
                 if TrialState.COMPLETE in states and TrialState.RUNNING in states:
                     break
             time.sleep(0.5)
@@ -189,17 +216,17 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
         with contextlib.suppress(ProcessLookupError):  # already gone when the sweep itself failed
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    first = [t for t in _trials(db, "grid2x2") if t.state == TrialState.COMPLETE]
+    first = [t for t in _trials(db, "grid3") if t.state == TrialState.COMPLETE]
     assert len(first) == 1
 
     # 2. The same command again: the interrupted trial is retried, the finished one is kept.
     resumed = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    trials = _trials(db, "grid2x2")
+    trials = _trials(db, "grid3")
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     points = {(t.params["model.lr"], t.params["model.weight_decay"]) for t in done}
-    assert points == {(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)}
-    assert len(done) == 4, "a finished grid point was run twice"
+    assert points == {(0.02, 0.05), (0.05, 0.05), (0.2, 0.05)}
+    assert len(done) == 3, "a finished grid point was run twice"
     kept = next(t for t in done if t.number == first[0].number)
     assert kept.datetime_complete == first[0].datetime_complete and kept.value == first[0].value
     assert [t.state for t in trials].count(TrialState.FAIL) == 1  # the killed trial, retried under a new number
@@ -210,7 +237,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     assert "val/acc (maximize)" in resumed.stdout
 
     # 3. best.yaml reruns the best trial and gets its metric back.
-    best = optuna.load_study(study_name="grid2x2", storage=f"sqlite:///{db}").best_trial
+    best = optuna.load_study(study_name="grid3", storage=f"sqlite:///{db}").best_trial
     assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
     run_cli("fit", "--config", str(out / "best.yaml"))
     assert _last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)
