@@ -22,7 +22,8 @@ def _config(tmp_path: Path, data: Path) -> Path:
                   "init_args": {"monitor": "val/loss", "mode": "min", "save_top_k": -1}}
     steps = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
              "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"}}
-    cfg["trainer"].update(callbacks=[validation, steps], precision="32-true", deterministic=True, accelerator="cpu", devices=2,
+    cfg["trainer"].update(callbacks=[validation, steps], precision="32-true", deterministic=True, accelerator="cpu",
+                          devices=2,
                           strategy="ddp", max_epochs=1, limit_train_batches=4, accumulate_grad_batches=2,
                           val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0,
                           enable_progress_bar=False, enable_model_summary=False)

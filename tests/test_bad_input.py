@@ -1,4 +1,5 @@
-"""Bad images, bad folder layouts and bad config values: each gets a clear error naming the file or key, before training."""
+"""Bad images, bad folder layouts and bad config values: each gets a clear error naming the file or key, before
+training."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def _layout(tmp_path: Path, case: str) -> tuple[Path, dict, str]:
         return root, {}, f"class folder {root / 'train' / 'c'} holds no images"
     if case == "val classes differ":
         make_image_folder(root, {"a": 2, "c": 2}, splits=("val",), size=32)
-        return root, {}, f"val/ classes differ from train/ (root: {root}): missing from val/: ['b'], not in train/: ['c']"
+        return root, {}, (f"val/ classes differ from train/ (root: {root}): missing from val/: ['b'], "
+                          "not in train/: ['c']")
     if case == "single class":
         for f in (root / "train" / "b").iterdir():
             f.unlink()

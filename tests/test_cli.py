@@ -54,7 +54,8 @@ def test_production_config_prints_on_its_own():
     assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "auto")
     assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
     assert (model["arch"], model["weights"], printed["data"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
-    monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"]
+                 if c["class_path"].endswith("ModelCheckpoint")]
     assert "val/acc" in monitored
 
 

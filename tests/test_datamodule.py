@@ -62,7 +62,8 @@ def test_val_split_seed_changes_the_split(tmp_path):
 def test_classes_must_agree_across_splits(tmp_path):
     make_image_folder(tmp_path, {"a": 2, "b": 2}, splits=("train",))
     make_image_folder(tmp_path, {"a": 2, "c": 2}, splits=("val",))
-    with pytest.raises(ValueError, match=r"val/ classes differ from train/.*missing from val/: \['b'\].*not in train/: \['c'\]"):
+    with pytest.raises(ValueError,
+                       match=r"val/ classes differ from train/.*missing from val/: \['b'\].*not in train/: \['c'\]"):
         ImageFolderDataModule(tmp_path)
 
 
@@ -109,7 +110,8 @@ def test_palette_with_transparency_loads(tmp_path):
 @pytest.mark.parametrize("preset", ["imagenet", "keras", "none"])
 def test_presets_give_float_chw_of_image_size(preset):
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8))
-    for tf in (ClassificationPresetTrain(preset=preset, image_size=40), ClassificationPresetEval(preset=preset, image_size=40)):
+    for tf in (ClassificationPresetTrain(preset=preset, image_size=40),
+               ClassificationPresetEval(preset=preset, image_size=40)):
         out = tf(img)
         assert out.shape == (3, 40, 40) and out.dtype == torch.float32
         assert torch.isfinite(out).all()

@@ -1,4 +1,5 @@
-"""Fast tests of CompressedDDPStrategy in one process (a world of one gloo rank): YAML, hooks, bytes, PowerSGD resume."""
+"""Fast tests of CompressedDDPStrategy in one process (a world of one gloo rank): YAML, hooks, bytes, PowerSGD
+resume."""
 
 from __future__ import annotations
 

@@ -283,7 +283,8 @@ def test_torchrun_two_nodes_with_elastic_restart_resume(tmp_path, folder):
                 os.killpg(node.pid, signal.SIGKILL)
                 node.communicate()
     log = "\n".join(outputs)
-    assert [n.returncode for n in nodes] == [0, 0], "\n\n".join(f"node {i}:\n{o[-5000:]}" for i, o in enumerate(outputs))
+    assert [n.returncode for n in nodes] == [0, 0], "\n\n".join(f"node {i}:\n{o[-5000:]}"
+                                                                for i, o in enumerate(outputs))
     assert (out / "failed_once").exists() and "probe: injected failure on rank 3" in log
     records = _records(out, 4)
     assert [r["world_size"] for r in records] == [4] * 4

@@ -1,4 +1,5 @@
-"""Checkpoint integrity and safety: atomic writes, full disks, NaN weights, truncated files, pickle payloads, secrets."""
+"""Checkpoint integrity and safety: atomic writes, full disks, NaN weights, truncated files, pickle payloads,
+secrets."""
 
 from __future__ import annotations
 
@@ -279,7 +280,8 @@ def test_pickle_planted_in_the_torch_hub_cache_is_refused(tmp_path, monkeypatch)
     """model.weights=IMAGENET1K_V1 reads $TORCH_HOME/hub/checkpoints/<file> itself, weights_only: torchvision's
     get_state_dict would unpickle whatever was dropped there."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    cached = tmp_path / "torch" / "hub" / "checkpoints" / Path(torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url).name
+    hub = tmp_path / "torch" / "hub" / "checkpoints"
+    cached = hub / Path(torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url).name
     cached.parent.mkdir(parents=True)
     marker = tmp_path / "pwned"
     torch.save({"conv1.weight": _Payload(marker)}, cached)
@@ -391,7 +393,8 @@ def test_no_secret_reaches_the_run_folder(tmp_path, given):
         torch.load(c, weights_only=True)["datamodule_hyper_parameters"]["predict_dir"] == MASKED_URL
         for c in checkpoints)
     for f in (f for f in run.rglob("*") if f.is_file()):
-        texts = _strings(torch.load(f, weights_only=True)) if f.suffix == ".ckpt" else [f.read_bytes().decode("latin-1")]
+        texts = (_strings(torch.load(f, weights_only=True)) if f.suffix == ".ckpt"
+                 else [f.read_bytes().decode("latin-1")])
         leaks = [t[max(0, i - 80): i + 80] for t in texts for secret in ("hunter2", API_KEY)
                  if (i := t.find(secret)) >= 0]
         assert not leaks, f"{f} holds a secret: {leaks}"
@@ -444,7 +447,8 @@ def test_users_own_model_checkpoints_save_what_they_ask_for(tmp_path, digits_roo
         assert steps == {int(name[1:-5]) for name in expected if name.startswith("s")}  # each file is its step
     # The closing summary names only files that exist, and how many each callback's folder holds.
     summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run directory"))
-    named = [line.split()[2] for line in summary.splitlines() if line.startswith(("best checkpoint", "last checkpoint"))]
+    named = [line.split()[2] for line in summary.splitlines()
+             if line.startswith(("best checkpoint", "last checkpoint"))]
     assert named and all(Path(path).is_file() for path in named), summary
     for variant, (_, expected) in USER_CHECKPOINTS.items():
         assert f"{folders[variant]}: {len(expected)} file(s)" in summary

@@ -31,7 +31,8 @@ KILL_POINTS = [
 LINE_MARGIN_S, EXIT_MARGIN_S = 3, 15  # seconds past the timeout for a hung peer: see the test
 
 
-def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: bool = False, recipe: bool = False) -> Path:
+def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: bool = False,
+            recipe: bool = False) -> Path:
     """The shipped quickstart config, shrunk: resnet18 at 32 px, 2 epochs of 4 steps, checkpoints every 2 steps.
 
     `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's

@@ -265,7 +265,8 @@ def test_resuming_on_another_global_batch_rescales_the_learning_rate(tmp_path, c
 def test_predict_returns_a_result_for_every_image(tmp_path):
     for i in range(7):
         (tmp_path / "imgs" / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
-        torchvision.transforms.functional.to_pil_image(torch.rand(3, 40, 40)).save(tmp_path / "imgs" / f"d{i % 2}" / f"{i}.png")
+        image = torchvision.transforms.functional.to_pil_image(torch.rand(3, 40, 40))
+        image.save(tmp_path / "imgs" / f"d{i % 2}" / f"{i}.png")
     dm = ImageFolderDataModule(None, batch_size=3, num_workers=0, image_size=32, predict_dir=str(tmp_path / "imgs"))
     model = ImageClassifier(num_classes=3, class_names=["cat", "dog", "eel"], arch="resnet18")
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)

@@ -45,7 +45,8 @@ def offline_env(tmp_path_factory) -> dict[str, str]:
 
 
 def assert_nothing_downloaded(env: dict[str, str]) -> None:
-    assert not list(Path(env["TORCH_HOME"]).rglob("*")), "pretrained weights were fetched although the checkpoint had them"
+    assert not list(Path(env["TORCH_HOME"]).rglob("*")), ("pretrained weights were fetched although the checkpoint "
+                                                          "had them")
 
 
 @pytest.fixture(scope="module")

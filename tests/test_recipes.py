@@ -27,7 +27,8 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
     expected, ema = RECIPES[recipe]
     run = tmp_path / "run"
     # Shrunk as every test shrinks a shipped config: small images and batches, two epochs of two steps.
-    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "recipes" / f"{recipe}.yaml"),
+    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"),
+            "--config", str(CONFIGS / "recipes" / f"{recipe}.yaml"),
             *TINY, "--data.root", str(images), "--data.batch_size", "4", "--data.train_image_size", "32",
             "--data.eval_image_size", "40", "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2",
             "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",

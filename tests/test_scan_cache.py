@@ -125,7 +125,8 @@ def test_the_cache_keeps_one_message_for_all_splits(tmp_path, decoded):
     bad[2].unlink()
     with pytest.raises(ValueError) as info:
         _fit_setup(root)
-    assert str(info.value).startswith(f"2 of {IMAGES + 1} images cannot be used:") and str(bad[2]) not in str(info.value)
+    assert str(info.value).startswith(f"2 of {IMAGES + 1} images cannot be used:")
+    assert str(bad[2]) not in str(info.value)
     assert len(decoded) == IMAGES + 2
 
 
