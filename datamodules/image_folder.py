@@ -46,7 +46,7 @@ from datamodules.presets import (
     check_fast_decode,
     float_transform,
 )
-from datamodules.samplers import BalancedSampler, RepeatedAugmentationSampler
+from datamodules.samplers import BalancedSampler, RepeatedAugmentationSampler, SeededDraws
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,17 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.targets)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """`item`: an index, or (index, seed) from the training sampler (SeededDraws): the transform's random draws
+        then come from that seed alone, and the process's own random state is left as it was."""
+        index, seed = item if isinstance(item, tuple) else (item, None)
         target = self.targets[index]
         target = torch.from_numpy(target.astype(np.float32)) if target.ndim else int(target)
-        return _load(self.read, self.transform, self.paths[index]), target
+        if seed is None:
+            return _load(self.read, self.transform, self.paths[index]), target
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return _load(self.read, self.transform, self.paths[index]), target
 
 
 class PredictImages(ImageFiles):
@@ -528,6 +535,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             sampler = BalancedSampler(self.train_set.targets, world, rank, power=self.balance_power, seed=seed)
         else:
             sampler = DistributedSampler(self.train_set, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler = SeededDraws(sampler)  # each draw carries the seed of its augmentation
         return self._loader(self.train_set, shuffle=True, drop_last=per_process > self.batch_size, sampler=sampler)
 
     def _eval_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:

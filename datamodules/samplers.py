@@ -1,5 +1,5 @@
 """Training samplers that Lightning leaves in place under DDP (they are DistributedSamplers): repeated augmentation
-and class-balanced sampling."""
+and class-balanced sampling, and the wrapper that gives each draw the seed of its augmentation."""
 
 from __future__ import annotations
 
@@ -70,3 +70,36 @@ class BalancedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def draw_seed(seed: int, epoch: int, rank: int, position: int) -> int:
+    """The seed of one training draw: a function of (run seed, epoch, rank, its position in the rank's epoch)."""
+    return (((seed * 1_000_003 + epoch) * 1_009 + rank) * 2_000_003 + position) % (2**63)
+
+
+class SeededDraws(DistributedSampler):
+    """A training sampler's draws as (index, seed) pairs, the seed a function of (seed, epoch, rank, position): the
+    dataset seeds that sample's augmentation (crop, flip, policy, erasing) with it.
+
+    So a sample's augmentation depends on nothing but its draw. A resumed loader skips the draws its checkpoint had
+    yielded and draws each later one exactly as the uninterrupted run did, in loader workers (whose own random state
+    restarts on a resume) as in the main process; the copies of an image under repeated augmentation still differ
+    (other positions). It is a DistributedSampler, so Lightning keeps it under DDP and sets its epoch.
+    """
+
+    def __init__(self, inner: DistributedSampler) -> None:  # no super().__init__: the inner sampler did that work
+        self.inner = inner
+        for name in ("dataset", "num_replicas", "rank", "seed", "shuffle", "drop_last", "num_samples", "total_size",
+                     "epoch"):
+            setattr(self, name, getattr(inner, name))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        for position, index in enumerate(self.inner):
+            yield index, draw_seed(self.seed, self.epoch, self.rank, position)
+
+    def __len__(self) -> int:
+        return len(self.inner)

@@ -78,7 +78,7 @@ class Probe(Callback):
             x, y = batch
             self.record["batch"] = (x.detach().cpu().clone(), y.detach().cpu().clone())
             sampler = trainer.train_dataloader.batch_sampler.sampler
-            self.record["sampler_indices"] = list(iter(sampler))
+            self.record["sampler_indices"] = [index for index, _ in sampler]  # SeededDraws: (index, seed)
         if trainer.global_rank == self.fail_rank and trainer.global_step == self.fail_step:
             marker = self.out / "failed_once"
             if not marker.exists():

@@ -39,8 +39,9 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `recipe`
     turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat, an EMA of the weights
     (Lightning's EMAWeightAveraging), whose average a resume must carry on, a backbone frozen for epoch 0,
-    which the kills before and after its thaw must not disturb, and one of the recipe's samplers, whose position
-    a resume must restore: class-balanced sampling on one process, repeated augmentation (2 copies) on several.
+    which the kills before and after its thaw must not disturb, the loader's random augmentation (imagenet preset,
+    TrivialAugment, random erasing), which a resume must draw again alike, and one of the recipe's samplers, whose
+    position a resume must restore: class-balanced sampling on one process, repeated augmentation on several.
     """
     cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
@@ -60,8 +61,9 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
         cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0, freeze_backbone_epochs=1)  # thaws at epoch 1
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
-    if recipe:
-        cfg["data"].update({"sampler": "balanced"} if devices == 1 else {"repeated_augmentation": 2})
+    if recipe:  # the loader's random augmentation too: crops and flips, TrivialAugment, erasing
+        cfg["data"].update(preset="imagenet", auto_augment="trivialaugment", random_erasing=0.25,
+                           **({"sampler": "balanced"} if devices == 1 else {"repeated_augmentation": 2}))
     assert cfg["auto_resume"] is True  # shipped on
     path = tmp_path / f"config{devices}{'_recipe' if recipe else ''}{'_background' if background_writes else ''}.yaml"
     path.write_text(yaml.safe_dump(cfg))

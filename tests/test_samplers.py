@@ -52,7 +52,7 @@ def test_the_datamodule_draws_repeated_images_in_its_training_loader(tmp_path):
                                  repeated_augmentation=3)
     data.setup("fit")
     loader = data.train_dataloader()
-    assert isinstance(loader.sampler, RepeatedAugmentationSampler)
+    assert isinstance(loader.sampler.inner, RepeatedAugmentationSampler)
     x, _ = next(iter(loader))
     assert x.shape[0] == 12  # an epoch's worth of draws: 4 images, 3 times each
     assert sorted(Counter(tuple(img.flatten()[:64].tolist()) for img in x).values()) == [3, 3, 3, 3]
@@ -137,11 +137,45 @@ def test_a_resumed_loader_replays_the_rest_of_the_epoch_exactly(kind):
     assert head + [b[0].tolist() for b in resumed] == uninterrupted
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_resumed_loader_augments_the_rest_of_the_epoch_exactly(tmp_path, workers):
+    """Random crops, flips, TrivialAugment and erasing, drawn in the main process or a loader worker: a loader resumed
+    mid-epoch from its state gives the batches of the uninterrupted one, pixel for pixel. Each draw's augmentation
+    is seeded by its draw (SeededDraws); before, it came from the process's random state, which a resumed worker
+    starts afresh (and which other draws had advanced in the main process)."""
+    root = make_image_folder(tmp_path / "images", {"a": 12, "b": 12}, size=48)
+    data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=workers, image_size=32,
+                                 preset="imagenet", auto_augment="trivialaugment", random_erasing=0.5,
+                                 repeated_augmentation=2, scan_cache=False, persistent_workers=False)
+    data.setup("fit")
+
+    def loader():
+        made = data.train_dataloader()
+        made.sampler.set_epoch(3)
+        return made
+
+    uninterrupted = [x for x, _ in loader()]
+    assert len(uninterrupted) == 6 and not all(torch.equal(a, b) for a, b in zip(uninterrupted, uninterrupted[1:]))
+    first = loader()
+    it = iter(first)
+    head = [next(it)[0] for _ in range(2)]
+    state = first.state_dict()
+    torch.manual_seed(12345)  # whatever the process drew meanwhile
+    resumed = loader()
+    resumed.load_state_dict(state)
+    replayed = head + [x for x, _ in resumed]
+    assert len(replayed) == len(uninterrupted)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, uninterrupted, strict=True))
+    # the 2 copies of each image in an epoch are augmented differently (repeated augmentation's point)
+    draws = list(loader().sampler)
+    assert len({seed for _, seed in draws}) == len(draws)
+
+
 def test_the_datamodule_builds_the_balanced_sampler_and_refuses_two_samplers(tmp_path):
     root = make_image_folder(tmp_path / "images", {"a": 10, "b": 2}, size=32)
     data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, sampler="balanced", balance_power=0.5)
     data.setup("fit")
-    sampler = data.train_dataloader().sampler
+    sampler = data.train_dataloader().sampler.inner
     assert isinstance(sampler, BalancedSampler)
     assert np.allclose(sampler.class_share, np.array([10, 2]) ** 0.5 / (10**0.5 + 2**0.5))
     with pytest.raises(ValueError, match="two samplers; choose one"):
