@@ -204,8 +204,9 @@ def test_production_config_runs_on_eight_cpu_processes(tmp_path):
         # process, by tests/test_cli.py::test_production_config_runs_one_batch_on_cpu.
         "--model.compile", "false",
         # The config's 64 images of 224 px per rank: 512 ResNet50 passes per step on 2 cores and GBs of activations
-        # per process. With 2 the 8 processes and their loader workers peak at ~9 GB (PSS) in all.
-        "--data.batch_size", "2",
+        # per process. With 2 the 8 processes and their loader workers peak at ~9 GB (PSS) in all. At 64 px, as
+        # test_cli.py's one-process run of this config, each pass costs a twelfth of one at 224 px.
+        "--data.batch_size", "2", "--data.image_size", "64",
         # A few steps: two per rank, then one validation batch.
         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
         *_probe_args(out),
