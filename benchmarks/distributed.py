@@ -1,6 +1,8 @@
-"""Benchmark of DDP gradient compression on CPU (gloo): bytes all-reduced per step, and step time with 1 and 2 processes.
+"""Benchmark of DDP gradient compression on CPU (gloo): bytes all-reduced per step, and step time with 1 and 2
+processes.
 
-    python -m benchmarks.distributed            # + 2-process parity on the demo digits (4 x 8 epochs: ~5 min on a quiet 2-core machine)
+    python -m benchmarks.distributed            # + 2-process parity on the demo digits (4 x 8 epochs: ~5 min on a
+                                                # quiet 2-core machine)
     python -m benchmarks.distributed --quick    # ResNet50 bytes, ResNet18 32 px step times (under a minute)
 """
 

@@ -34,7 +34,8 @@ BASELINE = "fp32, NCHW"
 
 
 def quickstart_recipe() -> dict:
-    """The step configs/quickstart.yaml trains, as time_to_accuracy reads it from the file (AdamW, as its plain loop)."""
+    """The step configs/quickstart.yaml trains, as time_to_accuracy reads it from the file (AdamW, as its plain
+    loop)."""
     return {"arch": RECIPE["arch"], "head_hidden": RECIPE["head_hidden"], "optimizer": "adamw",
             "image_size": RECIPE["image_size"], "batch_size": RECIPE["batch"], "epochs": RECIPE["epochs"]}
 

@@ -72,7 +72,8 @@ def train(data: Path, recipe: dict, *, start: float, max_batches: int | None = N
         for i in range(steps_per_epoch if max_batches is None else min(max_batches, steps_per_epoch)):
             idx = order[i * batch:(i + 1) * batch]
             with cpu_autocast():
-                loss = F.cross_entropy(net(prepare(x_train[idx])), y_train[idx], label_smoothing=recipe["label_smoothing"])
+                loss = F.cross_entropy(net(prepare(x_train[idx])), y_train[idx],
+                                       label_smoothing=recipe["label_smoothing"])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

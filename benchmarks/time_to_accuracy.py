@@ -154,7 +154,8 @@ def main(quick: bool = False) -> str:
         "Time to accuracy",
         body,
         f"configs/quickstart.yaml ({recipe['arch']} from scratch, {recipe['image_size']} px, AdamW, "
-        f"{auto_cpu_precision()} (auto), channels_last, {recipe['epochs']} epochs) on the demo digits, seeds {', '.join(map(str, seeds))} for "
+        f"{auto_cpu_precision()} (auto), channels_last, {recipe['epochs']} epochs) on the demo digits, seeds "
+        f"{', '.join(map(str, seeds))} for "
         "both sides; each run is a process of its own, timed from its launch (interpreter start, imports and "
         "reading the data included); runs one after the other. `python -m benchmarks.time_to_accuracy`"
         + (" (quick: 2 batches of one epoch)" if quick else ""),

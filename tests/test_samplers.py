@@ -155,7 +155,8 @@ def test_a_resumed_loader_augments_the_rest_of_the_epoch_exactly(tmp_path, worke
         return made
 
     uninterrupted = [x for x, _ in loader()]
-    assert len(uninterrupted) == 6 and not all(torch.equal(a, b) for a, b in zip(uninterrupted, uninterrupted[1:]))
+    assert len(uninterrupted) == 6
+    assert not all(torch.equal(a, b) for a, b in zip(uninterrupted, uninterrupted[1:], strict=False))
     first = loader()
     it = iter(first)
     head = [next(it)[0] for _ in range(2)]

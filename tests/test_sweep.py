@@ -37,7 +37,8 @@ SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 def sweep_command(digits_root: Path, *overlays: Path) -> list[str]:
     """A trial command of the quickstart shrunk to seconds, with config overlays (loggers) after it."""
     return ["${env}", "${interpreter}", "-m", "training.cli", "fit", "--config", str(CONFIGS / "quickstart.yaml"),
-            *(arg for overlay in overlays for arg in ("--config", str(overlay))), *TINY, "--data.root", str(digits_root),
+            *(arg for overlay in overlays for arg in ("--config", str(overlay))), *TINY,
+            "--data.root", str(digits_root),
             "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "${args}"]
 
 
@@ -78,7 +79,8 @@ def test_shipped_sweep_command_is_a_fit_that_logs_to_wandb(monkeypatch, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     loggers = [logger["class_path"] for logger in printed["trainer"]["logger"]]
     assert loggers == ["lightning.pytorch.loggers.TensorBoardLogger", "lightning.pytorch.loggers.WandbLogger"]
-    assert (printed["model"]["lr"], printed["model"]["weight_decay"], printed["trainer"]["max_epochs"]) == (0.003, 0.01, 4)
+    assert (printed["model"]["lr"], printed["model"]["weight_decay"],
+            printed["trainer"]["max_epochs"]) == (0.003, 0.01, 4)
     assert printed["trainer"]["default_root_dir"] == "runs/sweeps/quickstart_lr"
 
 
