@@ -21,6 +21,17 @@ MANIFEST = "demo_manifest.json"
 SPLITS = {"train": 0.8, "val": 0.1, "test": 0.1}
 
 
+def _built_already(out: Path, settings: dict) -> bool:
+    """True when `out` holds a complete demo dataset built with `settings`; refuses any other non-empty folder."""
+    manifest = out / MANIFEST
+    if manifest.is_file() and json.loads(manifest.read_text()).get("settings") == settings:
+        return True
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not a demo dataset built with these settings; "
+                              "remove it or choose another folder")
+    return False
+
+
 def build_demo_data(out_dir: str | os.PathLike, *, size: int = 64, seed: int = 0) -> Path:
     """Write the 1,797 8x8 digits, upsampled to `size` px, into train/val/test (80/10/10, stratified).
 
@@ -32,12 +43,8 @@ def build_demo_data(out_dir: str | os.PathLike, *, size: int = 64, seed: int = 0
 
     out = Path(out_dir)
     settings = {"source": "sklearn.datasets.load_digits", "size": size, "seed": seed, "splits": SPLITS}
-    manifest = out / MANIFEST
-    if manifest.is_file() and json.loads(manifest.read_text()).get("settings") == settings:
+    if _built_already(out, settings):
         return out
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a demo dataset built with these settings; "
-                              "remove it or choose another folder")
 
     digits = load_digits()  # (1797, 8, 8) values 0..16, bundled with scikit-learn
     images, targets = digits.images, digits.target
@@ -81,12 +88,8 @@ def build_multilabel_demo_data(out_dir: str | os.PathLike, *, size: int = 64, se
     out = Path(out_dir)
     settings = {"source": "sklearn.datasets.load_digits, 1-3 per 2x2 grid", "size": size, "seed": seed,
                 "counts": counts}
-    manifest = out / MANIFEST
-    if manifest.is_file() and json.loads(manifest.read_text()).get("settings") == settings:
+    if _built_already(out, settings):
         return out
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a demo dataset built with these settings; "
-                              "remove it or choose another folder")
     digits = load_digits()
     images, targets = digits.images, digits.target
     idx = np.arange(len(targets))
