@@ -80,8 +80,8 @@ def loaders(root, size: int, batch: int, workers: int) -> dict[str, tuple[Callab
         return fast_dm.on_after_batch_transfer(batch, 0)
 
     def augment(batch):  # what the device does with augment_on_device; here the device is this CPU
-        x, y = batch
-        return device_dm.float_transform(device_dm.augment_batch(x, "cpu", train=True)), y
+        x, y, seeds = batch  # each draw's seed, as in training
+        return device_dm.float_transform(device_dm.augment_batch(x, "cpu", train=True, seed=seeds.tolist())), y
 
     return {
         BASELINE: (lambda: DataLoader(datasets.ImageFolder(str(root / "train"), transform=v1), **common), identity),

@@ -139,6 +139,8 @@ class ImageFiles(Dataset):
         target = torch.from_numpy(target.astype(np.float32)) if target.ndim else int(target)
         if seed is None:
             return _load(self.read, self.transform, self.paths[index]), target
+        if self.transform is None:  # augment_on_device: the seed travels with the file to `augment_batch`
+            return _load(self.read, None, self.paths[index]), target, seed
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return _load(self.read, self.transform, self.paths[index]), target
@@ -187,10 +189,11 @@ def _collate_images(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor
     return stack_images(list(images)), _stack_targets(targets)
 
 
-def _collate_encoded(batch: list[tuple[torch.Tensor, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Encoded files differ in length (and decoded ones in size): a list of them, and the targets stacked."""
-    images, targets = zip(*batch, strict=True)
-    return list(images), _stack_targets(targets)
+def _collate_encoded(batch: list[tuple]) -> tuple:
+    """Encoded files differ in length (and decoded ones in size): a list of them, the targets stacked, and the
+    training draws' seeds (int64) when the sampler gave them."""
+    images, targets, *seeds = zip(*batch, strict=True)
+    return (list(images), _stack_targets(targets), *(torch.tensor(s) for s in seeds))
 
 
 class ImageFolderDataModule(L.LightningDataModule):
@@ -557,18 +560,19 @@ class ImageFolderDataModule(L.LightningDataModule):
         return self._loader(self.predict_set, shuffle=False)
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        x, y = batch
+        x, y, *seeds = batch
         if isinstance(x, list):  # augment_on_device: the files stay in host memory, where nvJPEG reads them from
-            return x, y.to(device, non_blocking=True)
+            return (x, y.to(device, non_blocking=True), *seeds)  # the seeds stay on the host: the CPU draws
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """uint8 images -> float32, normalized, on the device; the second element (targets or indices) is kept."""
-        x, y = batch
+        x, y, *seeds = batch
         if isinstance(x, list):
             trainer = self.trainer
             train = trainer is not None and trainer.training
-            seed = _augment_seed(trainer) if train else None
+            # Each draw's own seed (SeededDraws), as the workers use it; else (a sampler of the user's) one per batch.
+            seed = (seeds[0].tolist() if seeds else _augment_seed(trainer)) if train else None
             x = self.augment_batch(x, y.device, train=train, seed=seed)
         if self.progressive_resizing and self.trainer is not None and self.trainer.training:
             side = self.train_side(self.trainer.current_epoch)
@@ -584,19 +588,26 @@ class ImageFolderDataModule(L.LightningDataModule):
         return self.progressive_resizing[max(due)] if due else self.train_image_size
 
     def augment_batch(self, items: list[torch.Tensor], device: torch.device | str, *, train: bool,
-                      seed: int | None = None) -> torch.Tensor:
+                      seed: int | list[int] | None = None) -> torch.Tensor:
         """``augment_on_device``: files read by the workers -> a uint8 (B, 3, S, S) batch on `device`.
 
         The preset's transforms run image by image (each draws its own crop); with `seed`, from a generator forked
-        for this batch, so that the draws do not depend on what else consumed random numbers before.
+        for this batch, or with a list, one per image (the training draws' seeds: the crops the workers would have
+        drawn), so that the draws do not depend on what else consumed random numbers before.
         """
         transform = self._device_transforms["train" if train else "eval"]
         images = decode_images(items, device)
         if seed is None:
             return stack_images([transform(image) for image in images])
+        out = []
         with torch.random.fork_rng(devices=[]):  # the transforms draw their parameters on the CPU
-            torch.manual_seed(seed)
-            return stack_images([transform(image) for image in images])
+            for i, image in enumerate(images):
+                if isinstance(seed, list):
+                    torch.manual_seed(seed[i])
+                elif i == 0:
+                    torch.manual_seed(seed)
+                out.append(transform(image))
+        return stack_images(out)
 
 
 def _worker_init(worker_id: int, rank: int) -> None:

@@ -237,11 +237,14 @@ def test_augment_on_device_gives_the_worker_batches(tmp_path, preset):
         dm = ImageFolderDataModule(root=str(root), batch_size=10, num_workers=0, image_size=32, preset=preset,
                                    augment_on_device=on_device)
         dm.setup("fit")
-        torch.manual_seed(7)  # the loader's seeds, then each image's crop, drawn in the same sequence
-        x, y = next(iter(dm.train_dataloader()))
-        if on_device:
+        torch.manual_seed(7)
+        x, y, *seeds = next(iter(dm.train_dataloader()))
+        if on_device:  # each image's crop drawn from its draw's seed, as a worker draws it (SeededDraws)
             assert isinstance(x, list) and {t.ndim for t in x} == {1, 3}  # JPEGs read, not decoded; PNGs decoded
-            x = dm.augment_batch(x, "cpu", train=True)
+            assert len(seeds) == 1 and seeds[0].shape == (len(x),)
+            x = dm.augment_batch(x, "cpu", train=True, seed=seeds[0].tolist())
+        else:
+            assert not seeds
         xv, yv = next(iter(dm.val_dataloader()))
         if on_device:
             xv = dm.augment_batch(xv, "cpu", train=False)
@@ -255,7 +258,7 @@ def test_augment_on_device_draws_from_the_given_seed_only(tmp_path):
     root = _mixed_folder(tmp_path / "data")
     dm = ImageFolderDataModule(root=str(root), batch_size=10, num_workers=0, image_size=32, augment_on_device=True)
     dm.setup("fit")
-    items, _ = next(iter(dm.train_dataloader()))
+    items, *_ = next(iter(dm.train_dataloader()))  # files, targets, the draws' seeds
     torch.manual_seed(0)
     first = dm.augment_batch(items, "cpu", train=True, seed=11)
     state = torch.get_rng_state()
