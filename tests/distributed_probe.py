@@ -78,7 +78,8 @@ class Probe(Callback):
             x, y = batch
             self.record["batch"] = (x.detach().cpu().clone(), y.detach().cpu().clone())
             sampler = trainer.train_dataloader.batch_sampler.sampler
-            self.record["sampler_indices"] = [index for index, _ in sampler]  # SeededDraws: (index, seed)
+            # SeededDraws yields (index, seed); Lightning's own DistributedSampler (a plain DataLoader here) indices
+            self.record["sampler_indices"] = [item[0] if isinstance(item, tuple) else item for item in sampler]
         if trainer.global_rank == self.fail_rank and trainer.global_step == self.fail_step:
             marker = self.out / "failed_once"
             if not marker.exists():
