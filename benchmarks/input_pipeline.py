@@ -100,7 +100,7 @@ def per_image_laps(make: Callable[[], DataLoader], after: Callable, batches: int
     it, laps = iter(make()), []
     for _ in range(batches):
         start = time.perf_counter()
-        x, _ = after(next(it))
+        x, *_ = after(next(it))  # (x, y), or for augment_on_device read-only (files, y, seeds)
         laps.append((time.perf_counter() - start) / len(x))
     return laps
 
