@@ -4,7 +4,7 @@ per split."""
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Literal
 
 import lightning as L
 import torch
@@ -24,7 +24,16 @@ from torchmetrics.classification import (
 from torchvision.transforms import v2
 
 from datamodules import hardware
-from lightning_modules.network import build_network, head_prefix
+from datamodules.arguments import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    OpenUnitInterval,
+    PositiveFloat,
+    PositiveInt,
+    UnitIntervalRightOpen,
+    check_arguments,
+)
+from lightning_modules.network import Arch, build_network, head_prefix
 
 Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
@@ -86,48 +95,40 @@ class ImageClassifier(L.LightningModule):
         num_classes: int,
         class_names: list[str] | None = None,
         multilabel: bool = False,
-        threshold: float = 0.5,
-        arch: str = "resnet50",
+        threshold: OpenUnitInterval = 0.5,
+        arch: Arch = "resnet50",
         weights: str | None = None,
-        head_hidden: int = 1024,
-        dropout: float = 0.2,
+        head_hidden: NonNegativeInt = 1024,
+        dropout: UnitIntervalRightOpen = 0.2,
         optimizer: Optimizer = "sgd",
         loss: Loss = "ce",
-        bce_target_threshold: float | None = None,
-        lr: float = 0.1,
+        bce_target_threshold: UnitIntervalRightOpen | None = None,
+        lr: PositiveFloat = 0.1,
         lr_scaling: LrScaling = "linear",
         momentum: float = 0.9,
         nesterov: bool = True,
-        weight_decay: float = 1e-4,
-        warmup_epochs: float = 1.0,
-        label_smoothing: float = 0.0,
-        mixup_alpha: float = 0.0,
-        cutmix_alpha: float = 0.0,
-        backbone_lr_ratio: float = 1.0,
-        freeze_backbone_epochs: int = 0,
-        batch_size: int = 64,
+        weight_decay: NonNegativeFloat = 1e-4,
+        warmup_epochs: NonNegativeFloat = 1.0,
+        label_smoothing: UnitIntervalRightOpen = 0.0,
+        mixup_alpha: NonNegativeFloat = 0.0,
+        cutmix_alpha: NonNegativeFloat = 0.0,
+        backbone_lr_ratio: NonNegativeFloat = 1.0,
+        freeze_backbone_epochs: NonNegativeInt = 0,
+        batch_size: PositiveInt = 64,
         channels_last: bool | Auto = "auto",
         compile: bool | Auto = False,
         optimizer_impl: OptimizerImpl = "auto",
     ) -> None:
+        values = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
-        _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
-                    label_smoothing, backbone_lr_ratio, freeze_backbone_epochs, mixup_alpha, cutmix_alpha)
-        if not 0.0 < threshold < 1.0:
-            raise ValueError(f"model.threshold={threshold} must be in (0, 1)")
+        check_arguments("model", ImageClassifier.__init__, values)  # the annotated ranges and choices
+        if num_classes is None or num_classes < 2:
+            raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
+        if class_names is not None and len(class_names) != num_classes:
+            raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
         if multilabel and (mixup_alpha or cutmix_alpha):
             raise ValueError("model.mixup_alpha and model.cutmix_alpha mix single-label targets; this data is "
                              "multi-label (train/labels.csv): set both to 0")
-        if bce_target_threshold is not None and not 0.0 <= bce_target_threshold < 1.0:
-            raise ValueError(f"model.bce_target_threshold={bce_target_threshold} must be in [0, 1), or null")
-        if loss not in get_args(Loss):
-            raise ValueError(f"model.loss={loss!r} is unknown; choose {' or '.join(get_args(Loss))}")
-        if optimizer_impl not in get_args(OptimizerImpl):
-            raise ValueError(f"model.optimizer_impl={optimizer_impl!r} is unknown; choose "
-                             f"{', '.join(get_args(OptimizerImpl))}")
-        for key, value in (("channels_last", channels_last), ("compile", compile)):
-            if value not in (True, False, "auto"):
-                raise ValueError(f"model.{key}={value!r} is unknown; choose true, false or auto")
         # The threshold is a decision made at each command (fit, validate, predict), not part of the trained model:
         # left out of checkpoints, so that `--model.threshold` always applies (LightningCLI lets a checkpoint's
         # hyperparameters override the command line).
@@ -445,27 +446,3 @@ def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> v2.T
     if not mixes:
         return None
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
-
-
-def _check_args(num_classes, class_names, optimizer, lr, lr_scaling, weight_decay, warmup_epochs,
-                label_smoothing, backbone_lr_ratio, freeze_backbone_epochs, mixup_alpha, cutmix_alpha) -> None:
-    """Reject bad config values up front, naming the key."""
-    if num_classes is None or num_classes < 2:
-        raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
-    if class_names is not None and len(class_names) != num_classes:
-        raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
-    if optimizer not in get_args(Optimizer):
-        raise ValueError(f"model.optimizer={optimizer!r} is unknown; choose {', '.join(get_args(Optimizer))}")
-    if lr_scaling not in get_args(LrScaling):
-        raise ValueError(f"model.lr_scaling={lr_scaling!r} is unknown; choose {', '.join(get_args(LrScaling))}")
-    if not lr > 0:
-        raise ValueError(f"model.lr={lr} must be positive")
-    for key, value in (("weight_decay", weight_decay), ("warmup_epochs", warmup_epochs),
-                       ("freeze_backbone_epochs", freeze_backbone_epochs), ("mixup_alpha", mixup_alpha),
-                       ("cutmix_alpha", cutmix_alpha)):
-        if value < 0:
-            raise ValueError(f"model.{key}={value} must be >= 0")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"model.label_smoothing={label_smoothing} must be in [0, 1)")
-    if not 0.0 <= backbone_lr_ratio:
-        raise ValueError(f"model.backbone_lr_ratio={backbone_lr_ratio} must be >= 0")

@@ -6,20 +6,27 @@ from __future__ import annotations
 import difflib
 import os
 import pickle
-from functools import cache
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 import torchvision
+from jsonargparse.typing import restricted_string_type
 from torch import nn
 
 TIMM_PREFIX = "timm/"  # model.arch of a timm model: timm/<name>[.<pretrained tag>], e.g. timm/resnet50.a1_in1k
 
 
-@cache
+# model.arch: a torchvision classification model (resnet50, convnext_tiny, efficientnet_b0, vit_b_16, ...), or a
+# timm one as timm/<name>. Literal, so `imgcls fit --help` lists the choices and the CLI refuses a typo.
+TorchvisionArch = Literal[tuple(torchvision.models.list_models(module=torchvision.models))]
+TimmArch = restricted_string_type("TimmArch", rf"^{TIMM_PREFIX}\S+$", docstring="timm/<name>[.<pretrained tag>]")
+Arch = TorchvisionArch | TimmArch
+
+
 def archs() -> tuple[str, ...]:
-    """Every torchvision classification model name (resnet50, convnext_tiny, efficientnet_b0, vit_b_16, ...)."""
-    return tuple(torchvision.models.list_models(module=torchvision.models))
+    """Every torchvision classification model name."""
+    return get_args(TorchvisionArch)
 
 
 def build_network(

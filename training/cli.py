@@ -32,6 +32,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
+from datamodules.arguments import plain_parser_error
 from lightning_modules import ImageClassifier
 from training.callbacks import PredictionWriter
 from training.checkpointing import (
@@ -66,6 +67,13 @@ warnings.filterwarnings("ignore", message="You're using the WeightAveraging call
 
 class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
     """Keeps the line breaks of the epilog that lists the extra commands."""
+
+
+class _ArgumentParser(LightningArgumentParser):
+    """Words a value out of its range or choices as the model and data do: `model.lr=-0.1 must be positive`."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        super().error(plain_parser_error(message), ex)
 
 
 class ImgclsCLI(LightningCLI):
@@ -211,6 +219,7 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
         trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
         auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
         parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
+        parser_class=_ArgumentParser,
     )
 
 

@@ -1,0 +1,117 @@
+"""Config value types shared by the DataModule and the model, and one check of a constructor's arguments against them.
+
+The types are jsonargparse's restricted numbers, so the CLI rejects a bad value while parsing and `--help` shows each
+key's range; `check_arguments` applies the same annotations to Python callers (tests, notebooks), with one message.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+from jsonargparse.typing import (
+    ClosedUnitInterval,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OpenUnitInterval,
+    PositiveFloat,
+    PositiveInt,
+    restricted_number_type,
+)
+
+UnitIntervalRightOpen = restricted_number_type("UnitIntervalRightOpen", float, [(">=", 0), ("<", 1)],
+                                               docstring="float in [0, 1)")
+ImageSide = restricted_number_type("ImageSide", int, (">=", 32), docstring="int >= 32")
+
+# What each type's error says after `key=value`.
+RULES: dict[type, str] = {
+    PositiveInt: "must be at least 1",
+    PositiveFloat: "must be positive",
+    NonNegativeInt: "must be >= 0",
+    NonNegativeFloat: "must be >= 0",
+    ClosedUnitInterval: "must be in [0, 1]",
+    OpenUnitInterval: "must be between 0 and 1",
+    UnitIntervalRightOpen: "must be in [0, 1)",
+    ImageSide: "is below 32, too small for a ResNet (5 stride-2 stages)",
+}
+_RULE_BY_NAME = {kind.__name__: rule for kind, rule in RULES.items()}
+__all__ = ["ClosedUnitInterval", "ImageSide", "NonNegativeFloat", "NonNegativeInt", "OpenUnitInterval", "PositiveFloat",
+           "PositiveInt", "UnitIntervalRightOpen", "check_arguments", "plain_parser_error"]
+
+
+def check_arguments(prefix: str, function: Callable, values: dict[str, Any]) -> None:
+    """Raise ValueError naming `prefix.key` for the first value in `values` that its annotation in `function`
+    refuses: a restricted number out of range, or a value outside a Literal. Other annotations are not checked."""
+    hints = typing.get_type_hints(function)
+    for key, value in values.items():
+        members = _members(hints.get(key, Any))
+        if any(_accepts(member, value) for member in members):
+            continue
+        rules = [RULES[m] for m in members if m in RULES]
+        if rules:
+            null = ", or null" if type(None) in members else ""
+            raise ValueError(f"{prefix}.{key}={value!r} {rules[0]}{null}")
+        raise ValueError(f"{prefix}.{key}={value!r} is unknown; choose {_choices(members)}")
+
+
+def plain_parser_error(message: str) -> str:
+    """jsonargparse's error for a value out of its type's range or choices ('Parser key "model.lr": ... Not of type
+    PositiveFloat: -0.1 does not conform to restriction v>0') in the words of `check_arguments` ('model.lr=-0.1 must
+    be positive'), and a choice not in a long Literal (model.arch) with the closest names instead of all of them."""
+    key = re.match(r'Parser key "([^"]+)":', message)
+    value = re.search(r"Not of type \w+: (\S+) does not conform|(?:Given|Got) value: (.*)$", message, re.MULTILINE)
+    if key is None or value is None:
+        return message
+    key, value = key.group(1), value.group(1) or value.group(2)
+    shown = value if re.fullmatch(r"[-+.\deE]+", value) else repr(value)
+    rules = [rule for name, rule in _RULE_BY_NAME.items() if f"Not of type {name}:" in message]
+    if rules:
+        return f"{key}={shown} {rules[0]}" + (", or null" if "NoneType" in message else "")
+    literal = re.search(r"typing\.Literal\[([^\]]*)\]", message)
+    if literal is None:
+        return message
+    names = re.findall(r"'([^']*)'", literal.group(1))
+    close = difflib.get_close_matches(value, names, n=4, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else f"choose one of {', '.join(names)}"
+    if not close and len(names) > 12:
+        hint = f"choose one of the {len(names)} names that `--help` lists"
+    return f"{key}={shown} is unknown; {hint}"
+
+
+def _members(annotation: Any) -> tuple:
+    """The alternatives of a union annotation (`NonNegativeInt | None` -> (NonNegativeInt, NoneType))."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(m for arg in typing.get_args(annotation) for m in _members(arg))
+    return (annotation,)
+
+
+def _accepts(member: Any, value: Any) -> bool:
+    if typing.get_origin(member) is Literal:
+        return value in typing.get_args(member)
+    if member in RULES:
+        try:
+            member(value)
+        except (TypeError, ValueError):
+            return False
+        return True
+    if member is type(None):
+        return value is None
+    if member is bool:
+        return isinstance(value, bool)
+    return True  # not a type this check knows: jsonargparse checks it on the command line
+
+
+def _choices(members: tuple) -> str:
+    names: list[str] = []
+    for member in members:
+        if member is bool:
+            names += ["true", "false"]
+        elif member is type(None):
+            names.append("null")
+        elif typing.get_origin(member) is Literal:
+            names += [str(arg) for arg in typing.get_args(member)]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
