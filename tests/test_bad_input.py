@@ -186,6 +186,8 @@ CLI_CASES = {
     "unknown preset": (["--data.preset", "fancy"], "data.preset"),
     "image_size < 32": (["--data.image_size", "16"], "data.image_size=16 is below 32"),
     "negative num_workers": (["--data.num_workers", "-1"], "data.num_workers=-1 must be >= 0"),
+    "label smoothing of 1": (["--model.label_smoothing", "1.0"], "model.label_smoothing=1.0 must be in [0, 1)"),
+    "misspelt arch": (["--model.arch", "resnt50"], "model.arch='resnt50' is unknown; did you mean resnet50"),
     "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
 }
 

@@ -67,6 +67,18 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
+def test_fit_help_lists_the_architectures_and_ranges(capsys):
+    """model.arch is a Literal of torchvision's models (or timm/<name>), and the numbers carry their ranges."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    start = out.index("--model.arch ARCH any torchvision")  # the help entry, not the usage line
+    arch_help = out[start:out.index("--model.weights WEIGHTS", start)]
+    for name in ("'resnet50'", "'convnext_tiny'", "'vit_b_16'", "TimmArch"):
+        assert name in arch_help
+    assert "PositiveFloat" in out[out.index("--model.lr LR"):]
+
+
 def test_quickstart_fast_dev_run(digits_root, tmp_path):
     proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.root", str(digits_root),
                    "--trainer.fast_dev_run", "1", "--trainer.default_root_dir", str(tmp_path / "run"))
