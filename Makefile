@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 bench-quick: $(STAMP)
-	$(BIN)/python -m benchmarks.run --quick --out $(RUNS)/PERFORMANCE-quick.md
+	$(BIN)/python -m benchmarks.run --quick --out $(RUNS)/bench-quick/PERFORMANCE.md
 
 dashboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUNS) --host 127.0.0.1

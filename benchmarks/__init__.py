@@ -1,1 +1,2 @@
-"""Benchmarks of imgcls against plain baselines, run by `make bench`; results go to docs/PERFORMANCE.md."""
+"""Benchmarks of imgcls against plain baselines, run by `make bench`: results go to benchmarks/results/*.json, and
+benchmarks/figures.py renders docs/PERFORMANCE.md and the figures quoted in the docs from them."""

@@ -1,10 +1,10 @@
-"""Shared benchmark helpers: the machine line, interleaved timing with medians, Markdown tables, photo-like JPEGs."""
+"""Shared benchmark helpers: the machine's description, interleaved timing with medians, Markdown tables, photo-like
+JPEGs."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import tempfile
@@ -32,6 +32,14 @@ def machine() -> str:
             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; 1-minute load average {load:.1f}")
 
 
+def machine_info() -> dict:
+    """What a result file records of the machine: the line above, and its parts for the figures that quote it."""
+    hw = hardware.detect()
+    return {"line": machine(), "cpu": hw.describe(), "cpu_model": hw.cpu_model, "cpu_kind": hw.cpu_kind(),
+            "cpu_flags": {flag: flag in hw.cpu_flags for flag in hardware.CPU_FLAGS}, "cores": hw.cores,
+            "cuda": hw.cuda, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
 def auto_cpu_precision() -> str:
     """The precision `auto` runs on this CPU (bf16-mixed with native bf16, else 32-true): what the benchmarks of
     the project's defaults train in, on both sides of each comparison."""
@@ -44,17 +52,29 @@ def cpu_autocast() -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def interleaved(candidates: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, float]:
-    """Median of the per-item times each candidate returns, running candidates round-robin `reps` times.
+def interleaved_turns(candidates: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, list[list[float]]]:
+    """The per-item times each candidate returns in each of `reps` turns, running candidates round-robin.
 
-    Round-robin spreads the load of a shared machine over every candidate alike; the median of many short
-    intervals ignores the ones where another process held the core.
+    Round-robin spreads the load of a shared machine over every candidate alike.
     """
-    times: dict[str, list[float]] = {name: [] for name in candidates}
+    times: dict[str, list[list[float]]] = {name: [] for name in candidates}
     for _ in range(reps):
         for name, run in candidates.items():
-            times[name].extend(run())
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append(run())
+    return times
+
+
+def interleaved(candidates: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, float]:
+    """Median of the per-item times of every turn of interleaved_turns: the median of many short intervals ignores
+    the ones where another process held the core."""
+    turns = interleaved_turns(candidates, reps)
+    return {name: statistics.median(t for turn in laps for t in turn) for name, laps in turns.items()}
+
+
+def quartiles(values: list[float]) -> dict[str, float]:
+    """Median, interquartile range and extremes of `values`: the spread a figure is quoted with."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": median, "q1": q1, "q3": q3, "min": min(values), "max": max(values), "n": len(values)}
 
 
 def lap_times(steps: int, step: Callable[[], object]) -> list[float]:
@@ -80,10 +100,6 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 def verdict(met: bool) -> str:
     return "met" if met else "**missed**"
-
-
-def section(title: str, body: str, settings: str) -> str:
-    return f"## {title}\n\n{body}\n\n_{settings}. Machine: {machine()}._\n"
 
 
 def photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
@@ -122,17 +138,11 @@ def mean_jpeg_kb(root: Path) -> float:
     return sum(sizes) / len(sizes) / 1e3
 
 
-def store(result: dict, path: Path, quick: bool) -> dict:
-    """`result` written to `path` (benchmarks/results/, JSON) by a full run, the source of its docs section; a quick
-    run only checks that the benchmark runs, and keeps nothing."""
-    if not quick:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+def standalone(name: str, doc: str) -> None:
+    """`python -m benchmarks.NAME [--quick]`: `python -m benchmarks.run --only NAME`, which stores its results and
+    renders the figures."""
+    from benchmarks import run
 
-
-def standalone(main: Callable[[bool], str], doc: str) -> None:
-    """`python -m benchmarks.NAME [--quick]`: run one benchmark and print its section."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
-    print(main(parser.parse_args().quick))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs (kept under runs/)")
+    run.main(parser.parse_args().quick, only=(name,))

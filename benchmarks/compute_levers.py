@@ -16,9 +16,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved, lap_times, section, standalone, table
+from benchmarks.common import interleaved, lap_times, standalone, table
 from lightning_modules.network import build_network
 
+TITLE = "Compute levers"
 BASELINE = "baseline: fp32, NCHW, eager, for-loop SGD"
 LEVERS: dict[str, dict] = {
     BASELINE: {},
@@ -79,42 +80,41 @@ def measure(levers: dict[str, dict], size: int, batch: int, steps: int, reps: in
     return interleaved(candidates, reps), first
 
 
-def main(quick: bool = False) -> str:
+def main(quick: bool = False) -> dict:
     arch = "resnet18" if quick else "resnet50"
     # (size, batch, steps per turn, turns): one step per turn, so load from other processes hits every lever alike.
     settings = [(16, 2, 1, 1), (32, 2, 1, 1)] if quick else [(64, 16, 1, 9), (224, 8, 1, 6)]
     # Compiling a ResNet-50 training step takes a minute or more per graph on 2 CPU cores: the quick mode does not.
-    compile_sizes = () if quick else tuple(size for size, *_ in settings)
     levers = {k: v for k, v in LEVERS.items() if not (quick and v.get("compile"))}
-    rows, notes = [], []
-    per_size = {}
+    measured = []
     for size, batch, steps, reps in settings:
-        here = {k: v for k, v in levers.items() if size in compile_sizes or not v.get("compile")}
-        per_size[size] = measure(here, size, batch, steps, reps, arch, warmup=1 if quick else 2)
-    for name in levers:
+        step_s, first_s = measure(levers, size, batch, steps, reps, arch, warmup=1 if quick else 2)
+        measured.append({"size": size, "batch": batch, "steps": steps, "turns": reps, "step_s": step_s,
+                         "first_steps_s": first_s})
+    return {"arch": arch, "threads": torch.get_num_threads(), "levers": list(levers), "settings": measured}
+
+
+def render(results: dict) -> tuple[str, str]:
+    settings = results["settings"]
+    rows = []
+    for name in results["levers"]:
         row = [name]
-        for size, batch, *_ in settings:
-            times, _ = per_size[size]
-            row += [batch / times[name], times[BASELINE] / times[name]] if name in times else ["not run", ""]
+        for s in settings:
+            times = s["step_s"]
+            row += [s["batch"] / times[name], times[BASELINE] / times[name]]
         rows.append(row)
-    for size in compile_sizes:
-        _, first = per_size[size]
-        notes.append(f"{size} px: first two steps {first['torch.compile']:.0f} s with compile "
-                     f"vs {first[BASELINE]:.1f} s eager")
     headers = ["lever"]
-    for size, batch, *_ in settings:
-        headers += [f"{size} px img/s (batch {batch})", f"{size} px speed-up"]
+    for s in settings:
+        headers += [f"{s['size']} px img/s (batch {s['batch']})", f"{s['size']} px speed-up"]
     body = table(headers, rows)
+    notes = [f"{s['size']} px: first two steps {s['first_steps_s']['torch.compile']:.0f} s with compile vs "
+             f"{s['first_steps_s'][BASELINE]:.1f} s eager" for s in settings if "torch.compile" in s["step_s"]]
     body += ("\n\nCompilation cost, paid once per run: " + "; ".join(notes) + ".") if notes else (
         "\n\nQuick mode: compile levers left out.")
-    return section(
-        "Compute levers",
-        body,
-        f"{arch} (the project's network, 1024-unit head), SGD with Nesterov momentum, synthetic batches on the CPU, "
-        f"{torch.get_num_threads()} threads; speed-up = baseline step time / lever step time, medians of "
-        "interleaved steps. `python -m benchmarks.compute_levers`",
-    )
+    return body, (f"{results['arch']} (the project's network, 1024-unit head), SGD with Nesterov momentum, synthetic "
+                  f"batches on the CPU, {results['threads']} threads; speed-up = baseline step time / lever step "
+                  "time, medians of interleaved steps")
 
 
 if __name__ == "__main__":
-    standalone(main, __doc__)
+    standalone("compute_levers", __doc__)

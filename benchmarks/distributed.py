@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import section, standalone
+from benchmarks.common import standalone, table
 from lightning_modules.network import build_network
 from training.strategy import COMPRESSIONS, build_comm_hook
 
+TITLE = "Distributed: gradient compression (CPU, gloo)"
 POWERSGD_RANK = 4
 PARITY_EPOCHS = 8  # the quickstart's max_epochs: the recipe as shipped
 
@@ -224,44 +225,67 @@ def parity_table(results: dict[str, tuple[int, int]]) -> str:
     rows = []
     for compression, (right, n) in results.items():
         diff = 100 * (right / n - right0 / n0)
-        rows.append(f"| {compression} | {right} / {n} | {100 * right / n:.2f} % | {diff:+.2f} | "
-                    f"{'yes' if abs(diff) <= 1.0 else 'no'} |")
-    return "\n".join(["| compression | right (val + test) | accuracy | vs none (points) | within 1 point |",
-                      "|---|---|---|---|---|", *rows])
+        rows.append([compression, f"{right} / {n}", f"{100 * right / n:.2f} %", f"{diff:+.2f}",
+                     "yes" if abs(diff) <= 1.0 else "no"])
+    return table(["compression", "right (val + test)", "accuracy", "vs none (points)", "within 1 point"], rows)
 
 
-def main(quick: bool = False) -> str:
-    """Markdown: bytes per step on ResNet50 for each compression, and step times with 1 and 2 processes."""
+def main(quick: bool = False) -> dict:
+    """Bytes per step on ResNet50 for each compression, step times with 1 and 2 processes, and (full) parity."""
     bytes_job = dict(arch="resnet50", head_hidden=1024, classes=10, batch=2, size=32, warmup=3, steps=1, count=True,
                      compressions=COMPRESSIONS)
     time_job = dict(arch="resnet18", head_hidden=0, classes=10, batch=4 if quick else 16, size=16 if quick else 64,
                     warmup=1 if quick else 3, steps=1 if quick else 10, count=False, compressions=COMPRESSIONS)
     counted, one = run_jobs(1, [bytes_job, time_job])
     (two,) = run_jobs(2, [time_job])
-    base = counted["none"]["bytes"]
-    rows = []
-    for c in COMPRESSIONS:
-        t1, t2 = one[c]["step_s"], two[c]["step_s"]
-        rows.append(f"| {c} | {counted[c]['bytes'] / 2**20:.3f} | {counted[c]['expected'] / 2**20:.3f} | "
-                    f"{counted[c]['bytes'] / base:.4f} | {t1 * 1000:.0f} | {t2 * 1000:.0f} | {t2 / t1:.2f} |")
-    lines = [
-        "| compression | MiB all-reduced / step / rank (ResNet50, measured) | expected from shapes | x none | "
-        "step ms, 1 proc | step ms, 2 procs | 2 / 1 |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-        f"Bytes: ResNet50 + 1024-wide head, PowerSGD rank {POWERSGD_RANK}, one step after PowerSGD started. Step time: "
-        f"{time_job['arch']}, batch {time_job['batch']} per process, {time_job['size']} px, median of "
-        f"{time_job['steps']} steps, 1 thread per process.",
-    ]
-    if not quick:
-        lines += ["", parity_table(parity()), "",
-                  f"Parity: demo digits at 32 px (1,437 train; 180 val + 180 test held out), resnet18 + 1024 head, "
-                  f"configs/quickstart.yaml, 2 gloo processes x batch 32, bf16-mixed, {PARITY_EPOCHS} epochs, "
-                  "PowerSGD rank 4 from step 10, seed 42; last.ckpt evaluated on val/ and test/."]
-    return section("Distributed: gradient compression (CPU, gloo)", "\n".join(lines),
-                   "`python -m benchmarks.distributed`" + (" --quick: no parity runs" if quick else ""))
+    return {"powersgd_rank": POWERSGD_RANK, "time_job": {k: v for k, v in time_job.items() if k != "compressions"},
+            "bytes": {c: {"measured": counted[c]["bytes"], "expected": counted[c]["expected"]} for c in COMPRESSIONS},
+            "step_s": {c: {"1": one[c]["step_s"], "2": two[c]["step_s"]} for c in COMPRESSIONS},
+            "parity_epochs": None if quick else PARITY_EPOCHS, "parity": None if quick else parity()}
+
+
+def bytes_table(results: dict) -> str:
+    base = results["bytes"]["none"]["measured"]
+    return table(["compression", "bytes / step / rank", "MiB", "expected from shapes, MiB", "x none"],
+                 [[c, f"{b['measured']:,}", f"{b['measured'] / 2**20:.2f}", f"{b['expected'] / 2**20:.2f}",
+                   f"{b['measured'] / base:.4f}"] for c, b in results["bytes"].items()])
+
+
+def step_table(results: dict) -> str:
+    return table(["compression", "step ms, 1 process", "step ms, 2 processes", "2 / 1"],
+                 [[c, f"{t['1'] * 1000:.0f}", f"{t['2'] * 1000:.0f}", f"{t['2'] / t['1']:.2f}"]
+                  for c, t in results["step_s"].items()])
+
+
+def step_settings(results: dict) -> str:
+    job = results["time_job"]
+    return (f"{job['arch']}, batch {job['batch']} per process, {job['size']} px, median of {job['steps']} steps after "
+            f"{job['warmup']} warm-up steps, 1 thread per process")
+
+
+def render(results: dict) -> tuple[str, str]:
+    body = (f"Bytes all-reduced per step and rank (ResNet50 + 1024-wide head, PowerSGD rank "
+            f"{results['powersgd_rank']}, one step after PowerSGD started), counted and expected from the parameter "
+            f"shapes:\n\n{bytes_table(results)}\n\nStep time: {step_settings(results)}.\n\n{step_table(results)}")
+    if results["parity"]:
+        body += ("\n\n" + parity_table(results["parity"]) + "\n\nParity: demo digits at 32 px (1,437 train; 180 val "
+                 "+ 180 test held out), resnet18 + 1024 head, configs/quickstart.yaml, 2 gloo processes x batch 32, "
+                 f"{results['parity_epochs']} epochs, PowerSGD rank 4 from step 10, seed 42; last.ckpt evaluated "
+                 "on val/ and test/.")
+    return body, "Step times and bytes from plain DDP with the hooks the strategy registers" + (
+        "" if results["parity"] else "; quick: no parity runs")
+
+
+def figures(results: dict) -> dict[str, str]:
+    """The tables docs/DISTRIBUTED.md quotes, and the bytes of `none` and PowerSGD."""
+    sent = {c: b["measured"] for c, b in results["bytes"].items()}
+    found = {"bytes_table": f"\n{bytes_table(results)}\n", "step_table": f"\n{step_table(results)}\n",
+             "step_settings": step_settings(results), "none_mib": f"{sent['none'] / 2**20:.1f} MiB",
+             "powersgd_percent": f"{100 * sent['powersgd'] / sent['none']:.1f}%"}
+    if results["parity"]:
+        found["parity_table"] = f"\n{parity_table(results['parity'])}\n"
+    return found
 
 
 if __name__ == "__main__":
-    standalone(main, __doc__)
+    standalone("distributed", __doc__)

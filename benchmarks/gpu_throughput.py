@@ -13,10 +13,11 @@ import time
 
 import torch
 
-from benchmarks.common import photo_folder, section, standalone, table
+from benchmarks.common import photo_folder, standalone, table
 from benchmarks.compute_levers import train_step
 from datamodules import ImageFolderDataModule
 
+TITLE = "GPU throughput"
 # Dense fp16/bf16 tensor-core peaks (FLOP/s) of common training GPUs, from the vendors' data sheets.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12,
               "RTX 4090": 165e12, "RTX 3090": 71e12}
@@ -57,15 +58,12 @@ def device_augment_rate(batch: int, batches: int, count: int) -> float:
     return batch * batches / (time.perf_counter() - start)
 
 
-def main(quick: bool = False) -> str:
-    title = "GPU throughput"
+def main(quick: bool = False) -> dict:
     if not torch.cuda.is_available():
-        return f"## {title}\n\nSkipped: no CUDA device on this machine.\n"
+        return {"skipped": "no CUDA device on this machine"}
     name = torch.cuda.get_device_name(0)
     batch, steps = (32, 3) if quick else (256, 30)
-    rows = []
-    flops = step_flops(batch) / batch
-    peak = peak_flops(name)
+    img_s = {}
     for label, options in (("fp32, NCHW, eager", {}),
                            ("channels_last + 16-mixed + fused SGD", {"channels_last": True, "bf16": True,
                                                                       "impl": "fused"}),
@@ -77,17 +75,24 @@ def main(quick: bool = False) -> str:
         start = time.perf_counter()
         for _ in range(steps):
             step()  # synchronizes on CUDA
-        rate = batch * steps / (time.perf_counter() - start)
-        rows.append([label, rate, f"{rate * flops / peak:.0%}" if peak else "unknown peak"])
+        img_s[label] = batch * steps / (time.perf_counter() - start)
+    augment = device_augment_rate(batch=16 if quick else 256, batches=2 if quick else 7, count=50 if quick else 2000)
+    return {"device": name, "batch": batch, "steps": steps, "img_s": img_s, "flop_per_image": step_flops(batch) / batch,
+            "peak_flops": peak_flops(name), "augment_img_s": augment}
+
+
+def render(r: dict) -> tuple[str, str]:
+    flops, peak = r["flop_per_image"], r["peak_flops"]
+    rows = [[label, rate, f"{rate * flops / peak:.0%}" if peak else "unknown peak"]
+            for label, rate in r["img_s"].items()]
     body = table(["recipe", "img/s", "FLOP utilisation"], rows)
     body += f"\n\n{flops / 1e9:.1f} GFLOP per image and step (forward + backward, counted)"
     body += f"; peak taken as {peak / 1e12:.0f} TFLOP/s (dense fp16)." if peak else "."
-    augment = device_augment_rate(batch=16 if quick else 256, batches=2 if quick else 7, count=50 if quick else 2000)
-    body += (f"\n\nWith `data.augment_on_device`, this GPU decodes (nvJPEG) and augments {augment:,.0f} img/s of "
-             "500x375 JPEGs to 224 px, besides training; the loader workers only read the files.")
-    return section(title, body, f"{name}, resnet50 at 224 px, batch {batch}, {steps} timed steps, synthetic data on "
-                   "the GPU. `python -m benchmarks.gpu_throughput`")
+    body += (f"\n\nWith `data.augment_on_device`, this GPU decodes (nvJPEG) and augments {r['augment_img_s']:,.0f} "
+             "img/s of 500x375 JPEGs to 224 px, besides training; the loader workers only read the files.")
+    return body, (f"{r['device']}, resnet50 at 224 px, batch {r['batch']}, {r['steps']} timed steps, synthetic data "
+                  "on the GPU")
 
 
 if __name__ == "__main__":
-    standalone(main, __doc__)
+    standalone("gpu_throughput", __doc__)

@@ -1,10 +1,11 @@
 """Hardware: what this machine's CPU can do, and the quickstart's training step in each precision and memory format.
 
-    python -m benchmarks.hardware [--quick]
+    python -m benchmarks.hardware [--quick | --stored]
 
 Each full run stores its machine's figures in benchmarks/results/hardware/<machine>.json; the section shows every
 machine stored there, one row each, named by its CPU model and flags, so figures from a bf16 CPU and an AVX2-only CPU
-sit side by side and never mix. The last columns say what `auto` picks on that machine (datamodules/hardware.py).
+sit side by side and never mix (copy another machine's file there to compare; `--stored` re-renders without
+measuring). The last columns say what `auto` picks on that machine (datamodules/hardware.py).
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import re
 from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
-
-from benchmarks.common import interleaved, lap_times, section, table
+from benchmarks.common import interleaved, lap_times, machine_info, standalone, table
 from benchmarks.compute_levers import train_step
 from benchmarks.time_to_accuracy import RECIPE
 from datamodules import hardware
 
 ROOT = Path(__file__).resolve().parents[1]
+TITLE = "Hardware"
 RESULTS = ROOT / "benchmarks" / "results" / "hardware"
 # (precision, memory format) -> train_step options; fp32 NCHW is the baseline of each machine's ratios.
 COMBOS = {
@@ -53,25 +53,26 @@ def measure(recipe: dict, reps: int, hw: hardware.Hardware) -> dict[str, float]:
     return {name: recipe["batch_size"] / s for name, s in seconds.items()}
 
 
-def record(hw: hardware.Hardware, recipe: dict, img_s: dict[str, float]) -> dict:
-    return {
-        "machine": hw.describe(), "cpu_model": hw.cpu_model, "cpu_kind": hw.cpu_kind(),
-        "cpu_flags": {flag: flag in hw.cpu_flags for flag in hardware.CPU_FLAGS}, "cores": hw.cores,
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "date": f"{datetime.now(UTC):%Y-%m-%d}", "recipe": recipe, "img_s": img_s,
-    }
+def record(recipe: dict, img_s: dict[str, float]) -> dict:
+    """This machine's entry: its CPU (as the result files describe it), the recipe and the step rates."""
+    info = machine_info()
+    return {"machine": info["cpu"], **{key: info[key] for key in ("cpu_model", "cpu_kind", "cpu_flags", "cores",
+                                                                  "torch", "threads")},
+            "date": f"{datetime.now(UTC):%Y-%m-%d}", "recipe": recipe, "img_s": img_s}
 
 
-def slug(hw: hardware.Hardware) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", f"{hw.cpu_kind()} {hw.cpu_model} {hw.cores} cores".lower()).strip("-")
+def slug(entry: dict) -> str:
+    """The file name of a machine's entry: its CPU kind, model and cores."""
+    name = f"{entry['cpu_kind']} {entry['cpu_model']} {entry['cores']} cores"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def stored() -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
 
 
-def _picks(entry: dict) -> str:
-    """What `auto` chooses on the recorded machine, from its recorded flags."""
+def picks(entry: dict) -> str:
+    """What `auto` chooses on the recorded machine, from its recorded flags (a hardware entry or a result's machine)."""
     hw = hardware.Hardware(entry["cpu_model"], frozenset(f for f, has in entry["cpu_flags"].items() if has),
                            entry["cores"])
     precision = hardware.choose_precision(hw, "cpu")[0]
@@ -79,7 +80,7 @@ def _picks(entry: dict) -> str:
     return f"{precision}, {layout}"
 
 
-def render(entries: list[dict]) -> str:
+def table_of(entries: list[dict]) -> str:
     headers = ["machine (CPU kind)", "flags: avx2 / avx512f / avx512_bf16 / amx_tile", "torch, threads"]
     headers += [f"{name} img/s" for name in COMBOS] + ["bf16 / fp32 speed (channels_last)", "auto picks"]
     rows = []
@@ -88,8 +89,7 @@ def render(entries: list[dict]) -> str:
                                                                              "amx_tile"))
         img_s = e["img_s"]
         rows.append([f"{e['machine']} ({e['cpu_kind']}, {e['date']})", flags, f"{e['torch']}, {e['threads']}",
-                     *[img_s[name] for name in COMBOS], f"{bf16_speedup(e):.2f}x",
-                     _picks(e)])
+                     *[img_s[name] for name in COMBOS], f"{bf16_speedup(e):.2f}x", picks(e)])
     return table(headers, rows)
 
 
@@ -101,47 +101,62 @@ def bf16_speedup(entry: dict) -> float:
 def quickstart_projection(entry: dict) -> str:
     """Seconds of training steps in the quickstart (all epochs) at the step rate `auto` picks on that machine."""
     recipe = entry["recipe"]
-    precision, layout = _picks(entry).split(", ")
+    precision, layout = picks(entry).split(", ")
     name = f"{'bf16 autocast' if precision == 'bf16-mixed' else 'fp32'}, {layout}"
     images = 1437 * recipe["epochs"]  # the demo digits' training split
     return f"{entry['machine']}: {images / entry['img_s'][name]:.0f} s of training steps at {name}"
 
 
-def main(quick: bool = False, measure_here: bool = True) -> str:
-    """Measure this machine (unless `measure_here` is False) and render every stored machine's figures."""
+def main(quick: bool = False) -> dict:
+    """Measure this machine; the results hold every stored machine's figures (a quick run's: its own only)."""
     hw = hardware.detect()
     recipe = quickstart_recipe()
     if quick:
         recipe.update(arch="resnet18", image_size=32, batch_size=2)
-    entries = stored()
-    if measure_here:
-        entry = record(hw, recipe, measure(recipe, reps=1 if quick else 5, hw=hw))  # emulated bf16: ~30 s a step
-        if quick:  # checks only: stored figures are full-size runs
-            entries = [entry]
-        else:
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            (RESULTS / f"{slug(hw)}.json").write_text(json.dumps(entry, indent=2) + "\n")
-            entries = stored()
-    body = render(entries)
+    entry = record(recipe, measure(recipe, reps=1 if quick else 5, hw=hw))  # emulated bf16: ~30 s a step
+    if quick:  # checks only: stored figures are full-size runs
+        return {"machines": [entry], "measured": slug(entry)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{slug(entry)}.json").write_text(json.dumps(entry, indent=2) + "\n")
+    return {"machines": stored(), "measured": slug(entry)}
+
+
+def render(results: dict) -> tuple[str, str]:
+    entries = results["machines"]
+    body = table_of(entries)
     body += ("\n\nThe quickstart's training steps (8 epochs of the 1,437 training digits), at what `auto` picks: "
              + "; ".join(quickstart_projection(e) for e in entries) + ". Validation, start-up and checkpoints "
-             "come on top: `make train`'s wall time is in the README.")
-    return section(
-        "Hardware",
-        body,
-        f"{recipe['arch']} + {recipe['head_hidden']}-unit head, {recipe['image_size']} px, batch "
-        f"{recipe['batch_size']}, {recipe['optimizer']} (the optimizer implementation `auto` picks), synthetic "
-        "batches, medians of interleaved steps; one row per machine stored in benchmarks/results/hardware/ (copy "
-        "another machine's JSON there to compare; `python -m benchmarks.hardware --stored` re-renders without "
-        "measuring). `python -m benchmarks.hardware`",
-    )
+             "come on top: the time to accuracy section times whole runs.")
+    recipe = entries[0]["recipe"]
+    return body, (f"{recipe['arch']} + {recipe['head_hidden']}-unit head, {recipe['image_size']} px, batch "
+                  f"{recipe['batch_size']}, {recipe['optimizer']} (the optimizer implementation `auto` picks), "
+                  "synthetic batches, medians of interleaved steps; one row per machine stored in "
+                  "benchmarks/results/hardware/")
+
+
+def figures(results: dict) -> dict[str, str]:
+    """The machine this run measured (or the first stored): bf16 autocast's cost there."""
+    entry = next((e for e in results["machines"] if slug(e) == results["measured"]), results["machines"][0])
+    speed = bf16_speedup(entry)
+    return {"bf16_vs_fp32": f"{speed:.2f}x", "bf16_slowdown": f"{1 / speed:.0f}x",
+            "machine": entry["machine"]}
+
+
+def restored() -> None:
+    """`--stored`: the section's record with every machine now in benchmarks/results/hardware/, re-rendered."""
+    from benchmarks import figures as rendering
+
+    path = rendering.RESULTS / "hardware.json"
+    record = json.loads(path.read_text())
+    record["results"]["machines"] = stored()
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    rendering.main()
 
 
 if __name__ == "__main__":
-    import argparse
+    import sys
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
-    parser.add_argument("--stored", action="store_true", help="render the stored results only, measure nothing")
-    args = parser.parse_args()
-    print(main(args.quick, measure_here=not args.stored))
+    if "--stored" in sys.argv[1:]:
+        restored()
+    else:
+        standalone("hardware", __doc__ + "\n--stored: render the stored machines only, measure nothing.")

@@ -25,7 +25,6 @@ from benchmarks.common import (
     lap_times,
     mean_jpeg_kb,
     photo_folder,
-    section,
     standalone,
     table,
     verdict,
@@ -39,6 +38,8 @@ BASELINE = "torchvision ImageFolder + PIL + transforms v1 (baseline)"
 DATAMODULE = "DataModule (defaults): torchvision.io decode, v2 uint8 crop, uint8 batches"
 FAST_DECODE = "DataModule, data.fast_decode: libjpeg-turbo fast decode"
 READ_ONLY = "DataModule, augment_on_device: workers read the files only"
+TITLE = "Input pipeline"
+NORMALIZE = "the same + float/normalize on this CPU (the device here)"
 # ResNet-50 training throughput on one A100 with AMP (NVIDIA's reference), to size the loader for a GPU.
 A100_IMAGES_PER_S = 2470
 
@@ -88,7 +89,7 @@ def loaders(root, size: int, batch: int, workers: int) -> dict[str, tuple[Callab
         "PIL decode + v2 uint8 crop, float in loader": (lambda: DataLoader(pil, **common), identity),
         "DataModule, float batches from the loader (normalize_on_device false)": (float_dm.train_dataloader, identity),
         DATAMODULE: (fast_dm.train_dataloader, identity),
-        "the same + float/normalize on this CPU (the device here)": (fast_dm.train_dataloader, normalize),
+        NORMALIZE: (fast_dm.train_dataloader, normalize),
         FAST_DECODE: (decode_dm.train_dataloader, identity),
         READ_ONLY: (device_dm.train_dataloader, identity),
         "the same + decode, augment, normalize on this CPU (the device here)": (device_dm.train_dataloader, augment),
@@ -122,7 +123,7 @@ def per_image_with_workers(make: Callable[[], DataLoader], batches: int, skip: i
     return [seconds / images]
 
 
-def main(quick: bool = False) -> str:
+def main(quick: bool = False) -> dict:
     count, (w, h) = (50, (160, 120)) if quick else (2000, (500, 375))
     # One batch per turn, many turns: bursts of load from other processes spread over every candidate alike.
     size, batch, batches, reps = (64, 8, 1, 2) if quick else (224, 64, 1, 24)
@@ -144,6 +145,21 @@ def main(quick: bool = False) -> str:
     worker_batches, worker_reps = (2, 1) if quick else (8, 5)
     tn = interleaved({name: (lambda m=multi[name][0]: per_image_with_workers(m, worker_batches, workers))
                       for name in (BASELINE, DATAMODULE, FAST_DECODE)}, worker_reps)
+
+    # How many loader cores feed the training step: step images/s / loader images/s per core.
+    arch, step_size, step_batch = ("resnet18", 64, 4) if quick else ("resnet50", 224, 8)
+    precision = auto_cpu_precision()  # what the training step runs in here: bf16 only on a CPU with native bf16
+    step = train_step(arch=arch, size=step_size, batch=step_batch, channels_last=True, bf16=precision == "bf16-mixed")
+    step()
+    return {"images": count, "width": w, "height": h, "mean_jpeg_kb": mean_jpeg_kb(root), "size": size,
+            "batch": batch, "reps": reps, "workers": workers, "worker_batches": worker_batches,
+            "worker_reps": worker_reps, "s_per_image_1_core": t1, "s_per_image_workers": tn,
+            "step": {"arch": arch, "size": step_size, "batch": step_batch, "precision": precision,
+                     "img_s": step_batch / min(lap_times(2, step))}}
+
+
+def render(r: dict) -> tuple[str, str]:
+    t1, tn, workers, step = r["s_per_image_1_core"], r["s_per_image_workers"], r["workers"], r["step"]
     # The read-only row moves decoding to the device: a ratio against a loader that decodes would mislead.
     rows = [[name, 1 / t, t1[BASELINE] / t if name != READ_ONLY else "(decodes nothing)",
              1 / tn[name] if name in tn else "", tn[BASELINE] / tn[name] if name in tn else ""]
@@ -153,35 +169,31 @@ def main(quick: bool = False) -> str:
     default, fast = t1[BASELINE] / t1[DATAMODULE], t1[BASELINE] / t1[FAST_DECODE]
     body += (f"\n\nTarget, at least 2x the baseline per core: {default:.2f}x with the defaults "
              f"({verdict(default >= 2)}), {fast:.2f}x with `data.fast_decode` ({verdict(fast >= 2)}).")
-
-    # How many loader cores feed the training step: step images/s / loader images/s per core.
-    arch, step_size, step_batch = ("resnet18", 64, 4) if quick else ("resnet50", 224, 8)
-    precision = auto_cpu_precision()  # what the training step runs in here: bf16 only on a CPU with native bf16
-    step = train_step(arch=arch, size=step_size, batch=step_batch, channels_last=True, bf16=precision == "bf16-mixed")
-    step()
-    step_rate = step_batch / min(lap_times(2, step))
-    loader_rate = 1 / t1["the same + float/normalize on this CPU (the device here)"]
-    fast_rate = 1 / t1[DATAMODULE]
+    step_rate, loader_rate, fast_rate = step["img_s"], 1 / t1[NORMALIZE], 1 / t1[DATAMODULE]
     body += (
-        f"\n\nFeeding the model: the {arch} training step ({precision}, channels_last, batch {step_batch}) runs at "
-        f"{step_rate:.1f} img/s on this CPU, so {max(1, math.ceil(step_rate / loader_rate))} loader worker "
-        f"({step_rate / loader_rate:.2g} of a core) keeps it fed at {step_size} px. A GPU that trains ResNet-50 at "
-        f"{A100_IMAGES_PER_S:,} img/s (one A100, AMP) needs {math.ceil(A100_IMAGES_PER_S / fast_rate)} cores of "
-        f"this speed at {fast_rate:.0f} img/s each ({math.ceil(A100_IMAGES_PER_S * t1[FAST_DECODE])} with "
-        f"data.fast_decode, {math.ceil(A100_IMAGES_PER_S * t1[BASELINE])} with the baseline loader): set "
-        "data.num_workers to that, or as many CPUs as the node gives each GPU. With "
-        f"`data.augment_on_device` a worker core only reads files ({1 / t1[READ_ONLY]:,.0f} img/s), and decoding "
-        "(nvJPEG) and augmentation move to the GPU: `benchmarks/gpu_throughput.py` measures that side on CUDA."
+        f"\n\nFeeding the model: the {step['arch']} training step ({step['precision']}, channels_last, batch "
+        f"{step['batch']}) runs at {step_rate:.1f} img/s on this CPU, so "
+        f"{max(1, math.ceil(step_rate / loader_rate))} loader worker ({step_rate / loader_rate:.2g} of a core) keeps "
+        f"it fed at {step['size']} px. A GPU that trains ResNet-50 at {A100_IMAGES_PER_S:,} img/s (one A100, AMP) "
+        f"needs {math.ceil(A100_IMAGES_PER_S / fast_rate)} cores of this speed at {fast_rate:.0f} img/s each "
+        f"({math.ceil(A100_IMAGES_PER_S * t1[FAST_DECODE])} with data.fast_decode, "
+        f"{math.ceil(A100_IMAGES_PER_S * t1[BASELINE])} with the baseline loader): set data.num_workers to that, or "
+        "as many CPUs as the node gives each GPU. With `data.augment_on_device` a worker core only reads files "
+        f"({1 / t1[READ_ONLY]:,.0f} img/s), and decoding (nvJPEG) and augmentation move to the GPU: "
+        "`benchmarks/gpu_throughput.py` measures that side on CUDA."
     )
-    return section(
-        "Input pipeline",
-        body,
-        f"{count} photo-like {w}x{h} JPEGs (mean {mean_jpeg_kb(root):.0f} KB), {size} px RandomResizedCrop + "
-        f"flip, batch {batch}; 1 core: medians of {reps} interleaved batches, one torch thread; {workers} workers: "
-        f"medians of {worker_reps} interleaved runs of {worker_batches} batches after start-up. "
-        "`python -m benchmarks.input_pipeline`",
-    )
+    return body, (f"{r['images']} photo-like {r['width']}x{r['height']} JPEGs (mean {r['mean_jpeg_kb']:.0f} KB), "
+                  f"{r['size']} px RandomResizedCrop + flip, batch {r['batch']}; 1 core: medians of {r['reps']} "
+                  f"interleaved batches, one torch thread; {workers} workers: medians of {r['worker_reps']} "
+                  f"interleaved runs of {r['worker_batches']} batches after start-up")
+
+
+def figures(r: dict) -> dict[str, str]:
+    """The DataModule's images/s per core over the baseline's, with its defaults and with data.fast_decode."""
+    t1 = r["s_per_image_1_core"]
+    return {"defaults_vs_baseline": f"{t1[BASELINE] / t1[DATAMODULE]:.2f}x",
+            "fast_decode_vs_baseline": f"{t1[BASELINE] / t1[FAST_DECODE]:.2f}x"}
 
 
 if __name__ == "__main__":
-    standalone(main, __doc__)
+    standalone("input_pipeline", __doc__)

@@ -14,11 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import standalone, store, table
+from benchmarks.common import standalone, table
 from benchmarks.time_to_accuracy import ROOT, _seconds_per_epoch, _timed
 from datamodules.demo import build_demo_data
 
-RESULT = ROOT / "benchmarks" / "results" / "recipe.json"
+TITLE = "Recipe ablation"
 EPOCHS, SEEDS = 4, (0, 1, 2)
 EMA = ["--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.decay=0.99"]
 INGREDIENTS: dict[str, list[str]] = {
@@ -60,12 +60,10 @@ def measure(quick: bool) -> dict:
                 print(f"recipe: seed {seed}, {name}", flush=True)
                 records = fit(data, Path(tmp) / f"s{seed}-v{k}", INGREDIENTS[name], seed, epochs, quick)
                 runs[name].append({"val_acc": records[-1]["val_acc"], "s_per_epoch": _seconds_per_epoch(records)})
-    from benchmarks.common import machine
-
-    return {"machine": machine(), "epochs": epochs, "seeds": list(seeds), "runs": runs}
+    return {"epochs": epochs, "seeds": list(seeds), "runs": runs}
 
 
-def render(result: dict) -> str:
+def render(result: dict) -> tuple[str, str]:
     runs = result["runs"]
     base = statistics.median(r["val_acc"] for r in next(iter(runs.values())))
     rows = []
@@ -86,13 +84,13 @@ def render(result: dict) -> str:
              "other jobs shared during the run (see the load average below): compare them with care.")
     settings = (f"imgcls fit of configs/quickstart.yaml with model.arch resnet18, 32 px, {result['epochs']} epochs, "
                 f"seeds {', '.join(map(str, result['seeds']))}; val/acc after the last epoch, medians over the seeds; "
-                "s / epoch is the median wall time between validations. `python -m benchmarks.recipe`")
-    return f"## Recipe ablation\n\n{body}\n\n_{settings}. Machine: {result['machine']}._\n"  # the run's machine
+                "s / epoch is the median wall time between validations")
+    return body, settings
 
 
-def main(quick: bool = False) -> str:
-    return render(store(measure(quick), RESULT, quick))
+def main(quick: bool = False) -> dict:
+    return measure(quick)
 
 
 if __name__ == "__main__":
-    standalone(main, __doc__)
+    standalone("recipe", __doc__)

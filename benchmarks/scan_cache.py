@@ -7,7 +7,7 @@ Data: 100,000 16x16 JPEGs (random pixels, each one decodable) in 10 class folder
 to the temp folder and dated an hour back (a file younger than 2 s is never cached). Tiny files are the cheapest to
 decode, so the cold scan here is as fast, and the warm/cold ratio as small, as they get: a warm start costs a stat
 per file whatever its size, a cold one a decode. All files sit in the page cache: "cold" means no cache file, not a
-cold disk. Full runs store their figures in benchmarks/results/scan_cache.json.
+cold disk.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import machine, standalone, store, table, verdict
+from benchmarks.common import standalone, table, verdict
 from datamodules.bad_images import ScanCache, find_bad_images
 from datamodules.images import find_classes, scan_split
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "scan_cache.json"
+TITLE = "Start scan"
 IMAGENET_TRAIN = 1_281_167
 TARGET = 20  # warm scan at least this many times faster than cold
 
@@ -85,13 +84,13 @@ def measure(count: int, reps: int) -> dict:
         os.utime(path, (time.time() - 60, time.time() - 60))
     changed_s = seconds(lambda: find_bad_images(paths, cache=cache))
     assert cache.checked == len(changed), cache.summary()
-    return {"machine": machine(), "images": len(paths), "listing_s": list_s, "stat_s": stat_s,
+    return {"images": len(paths), "listing_s": list_s, "stat_s": stat_s,
             "no_cache_s": no_cache_s, "cold_s": cold_s, "warm_s": statistics.median(warm), "warm_reps": reps,
             "changed": len(changed), "changed_s": changed_s, "cache_bytes": cache.written.stat().st_size,
             "mean_jpeg_bytes": sum(os.path.getsize(p) for p in paths[:1000]) / min(1000, len(paths))}
 
 
-def render(r: dict) -> str:
+def render(r: dict) -> tuple[str, str]:
     n, listing = r["images"], r["listing_s"]
     rows = [
         ["no cache (before it; data.scan_cache false)", r["no_cache_s"], listing + r["no_cache_s"], ""],
@@ -114,14 +113,13 @@ def render(r: dict) -> str:
         f"({r['cache_bytes'] / 2**20:.1f} MB here)."
     )
     settings = (f"{n:,} 16x16 JPEGs (mean {r['mean_jpeg_bytes']:.0f} bytes) in 10 classes, train/ and val/, in the "
-                f"page cache; listing, stat and warm: medians of {r['warm_reps']}; cold and no-cache runs once each. "
-                "`python -m benchmarks.scan_cache`")
-    return f"## Start scan\n\n{body}\n\n_{settings}. Machine: {r['machine']}._\n"
+                f"page cache; listing, stat and warm: medians of {r['warm_reps']}; cold and no-cache runs once each")
+    return body, settings
 
 
-def main(quick: bool = False) -> str:
-    return render(store(measure(2_000 if quick else 100_000, reps=2 if quick else 5), RESULT, quick))
+def main(quick: bool = False) -> dict:
+    return measure(2_000 if quick else 100_000, reps=2 if quick else 5)
 
 
 if __name__ == "__main__":
-    standalone(main, __doc__)
+    standalone("scan_cache", __doc__)

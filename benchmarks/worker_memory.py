@@ -9,7 +9,6 @@ copies. Numpy arrays are two objects whatever their length, and their data pages
 stubbed (it returns the worker's pid), since memory is measured here, not decoding; the paths are ImageNet-like.
 Memory comes from /proc/PID/smaps_rollup: private dirty pages are the copies; USS (Private_Clean + Private_Dirty)
 adds the file pages only this worker maps (code first run in it); RSS counts shared pages too, so it barely moves.
-Full runs store their figures in benchmarks/results/worker_memory.json.
 """
 
 from __future__ import annotations
@@ -24,11 +23,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.common import machine, standalone, store, table
+from benchmarks.common import standalone, table
 from datamodules.image_folder import ImageFiles, PathArray, _worker_init
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "worker_memory.json"
+TITLE = "Loader-worker memory"
 IMAGENET_TRAIN = 1_281_167
 ARRAYS = "numpy arrays (ImageFiles now)"
 LIST = "list of (path, class) tuples (before, baseline)"
@@ -140,12 +138,12 @@ def measure(count: int, batch: int) -> dict:
     gc.collect()
     results[LIST] = epoch_growth(listed, batch, freeze=False)
     results[LIST + FROZEN] = epoch_growth(listed, batch, freeze=True)
-    return {"machine": machine(), "samples": count, "batch": batch, "workers": results,
+    return {"samples": count, "batch": batch, "workers": results,
             "storage": {name: {"bytes": b, "read_us": t * 1e6, "bytes_one_long_path": long}
                         for name, (b, t, long) in stores.items()}}
 
 
-def render(result: dict) -> str:
+def render(result: dict) -> tuple[str, str]:
     def mb(kb: float) -> float:
         return kb / 1024
 
@@ -175,15 +173,15 @@ def render(result: dict) -> str:
         [[name, s["bytes"] / 2**20, s["read_us"], s["bytes_one_long_path"] / 2**20] for name, s in stores.items()])
     settings = (f"{result['samples']:,} ImageNet-like paths, 1 worker (fork), batch {result['batch']}, shuffled, "
                 "read stubbed; memory of the worker after its first batch and after the epoch (one epoch per row: "
-                "a few MB vary from run to run), from /proc/PID/smaps_rollup. `python -m benchmarks.worker_memory`")
-    return f"## Loader-worker memory\n\n{body}\n\n_{settings}. Machine: {result['machine']}._\n"
+                "a few MB vary from run to run), from /proc/PID/smaps_rollup")
+    return body, settings
 
 
-def main(quick: bool = False) -> str:
+def main(quick: bool = False) -> dict:
     if not Path("/proc/self/smaps_rollup").is_file():
-        return "## Loader-worker memory\n\nSkipped: needs Linux (/proc/PID/smaps_rollup).\n"
-    return render(store(measure(5_000 if quick else IMAGENET_TRAIN, 256 if quick else 1024), RESULT, quick))
+        return {"skipped": "needs Linux (/proc/PID/smaps_rollup)"}
+    return measure(5_000 if quick else IMAGENET_TRAIN, 256 if quick else 1024)
 
 
 if __name__ == "__main__":
-    standalone(main, __doc__)
+    standalone("worker_memory", __doc__)

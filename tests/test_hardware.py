@@ -201,4 +201,4 @@ def test_stated_bf16_cost_matches_the_recorded_benchmarks():
     stated = int(hardware.BF16_COST_WITHOUT_NATIVE.split("x")[0].strip("~"))
     for entry in entries:
         assert stated / 2 <= 1 / bench.bf16_speedup(entry) <= stated * 2, entry["machine"]
-        assert bench._picks(entry).startswith("32-true")
+        assert bench.picks(entry).startswith("32-true")

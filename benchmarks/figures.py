@@ -1,0 +1,194 @@
+"""Renders every published figure from the benchmarks' result files: docs/PERFORMANCE.md whole, and the figures
+quoted in README.md and docs/*.md between markers.
+
+    python -m benchmarks.figures            # rewrite docs/PERFORMANCE.md and the marked figures
+    python -m benchmarks.figures --check    # rewrite nothing; list what differs from benchmarks/results/*.json
+
+`make bench` runs it after measuring. A quoted figure is marked, and only what stands between the markers is
+rewritten (a figure may span lines, a table for instance: then the markers stand on lines of their own):
+
+    Lightning's step took <!-- figure: loop_overhead.ratio_224px -->1.02x<!-- /figure --> the plain loop's
+
+The key is SECTION.NAME: SECTION a file benchmarks/results/SECTION.json, NAME one of the figures that
+benchmarks/SECTION.py's `figures(results)` returns, or `cpu` (the machine it ran on), `picks` (what `auto` picks
+there), `date` or `took`, which every section has. tests/test_figures.py fails when a document differs from what this
+renders, when a marker names a key no result provides, and when a measured figure stands outside a marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
+# The sections of docs/PERFORMANCE.md, in order: each a module benchmarks/<name>.py and a file results/<name>.json.
+SECTIONS = ("hardware", "input_pipeline", "scan_cache", "worker_memory", "loop_overhead", "compute_levers",
+            "distributed", "time_to_accuracy", "recipe", "gpu_throughput")
+MARKER = re.compile(r"<!-- figure: ([\w.]+) -->(.*?)<!-- /figure -->", re.S)
+OPENING = "<!-- figure:"
+# Measured figures, by their units: a ratio (2.06x), a rate, a time in ms or minutes, a size, a decimal percentage.
+MEASURED = re.compile(r"(?<![\w.])~?\d[\d,]*(\.\d+)?(x\b| ?(img/s|steps/s|ms\b|min\b|MiB|GiB|MB\b|GB\b))|\d\.\d+ ?%")
+
+INTRO = """# Performance
+
+Every figure below is a ratio against a baseline measured in the same run, because the machine that produced them
+may be shared: loader, loop and lever candidates are interleaved and their medians taken; the two time-to-accuracy
+runs go one after the other, so other load during one of them skews that ratio. Each section's results are stored in
+`benchmarks/results/<section>.json`, and this page, like every figure quoted in README.md and docs/, is rendered from
+those files by `python -m benchmarks.figures`. Regenerate with `make bench` (`make bench-quick` only checks that the
+benchmarks run, under runs/bench-quick/; `python -m benchmarks.run --only NAME` re-measures one section and keeps
+the others' results). Each section names the command that reproduces it alone, and the machine it ran on: CPU
+model, the flags that decide its levers (avx2, avx512f, avx512_bf16, amx_tile) and cores. A lever's gain depends on
+that machine (bf16 autocast is fast only on a CPU with native bf16; see Hardware), so read each figure with its
+machine line.
+"""
+
+
+def load(results: Path = RESULTS) -> dict[str, dict]:
+    """Section name -> its stored run (`benchmarks.run.measure`'s record), for the sections that have one."""
+    return {name: json.loads(path.read_text()) for name in SECTIONS if (path := results / f"{name}.json").is_file()}
+
+
+def _module(name: str):
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:  # a record stored before the runs timed their sections
+        return "an unrecorded time"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
+
+
+def section(name: str, run: dict | None) -> str:
+    """The Markdown section of one benchmark: its tables and text, the settings, the machine and the time."""
+    module = _module(name)
+    if run is None:
+        return (f"## {module.TITLE}\n\nNot measured: no benchmarks/results/{name}.json (`python -m benchmarks.run "
+                f"--only {name}`).\n")
+    results = run["results"]
+    if "skipped" in results:
+        body, settings = f"Not measured: {results['skipped']}.", "Skipped"
+    else:
+        body, settings = module.render(results)
+    return (f"## {module.TITLE}\n\n{body}\n\n_{settings}. `python -m benchmarks.{name}`. "
+            f"Machine: {run['machine']['line']}._\n\n_Took {duration(run['seconds'])} ({run['mode']} mode)._\n")
+
+
+def header(runs: dict[str, dict]) -> str:
+    """What the page was measured on, when, and how long the measuring took: from the sections' own records."""
+    by_machine: dict[str, list[str]] = {}
+    for name, run in runs.items():
+        by_machine.setdefault(f"{run['machine']['cpu']}; torch {run['machine']['torch']}", []).append(
+            _module(name).TITLE)
+    modes = sorted({run["mode"] for run in runs.values()})
+    started = sorted(run["started"] for run in runs.values())
+    lines = [f"Rendered from the sections' result files, {' and '.join(modes)} mode"
+             + (" (tiny sizes: checks only, not figures)." if modes == ["quick"] else ".")]
+    if len(by_machine) == 1:
+        lines.append(f"Measured on {next(iter(by_machine))}.")
+    else:
+        lines.append("**Measured on more than one machine** ("
+                     + "; ".join(f"{m}: {', '.join(titles)}" for m, titles in by_machine.items()) + ").")
+    timed = [run["seconds"] for run in runs.values() if run["seconds"] is not None]
+    if started:
+        untimed = [_module(name).TITLE for name, run in runs.items() if run["seconds"] is None]
+        lines.append(f"The sections ran one at a time between {started[0]} and {started[-1]}, "
+                     f"{duration(sum(timed))} in all (the sum of their times"
+                     + (f"; not recorded for {', '.join(untimed)}" if untimed else "") + ").")
+    missing = [_module(name).TITLE for name in SECTIONS if name not in runs]
+    if missing:
+        lines.append(f"No results yet: {', '.join(missing)}.")
+    return " ".join(lines)
+
+
+def performance(runs: dict[str, dict]) -> str:
+    """docs/PERFORMANCE.md: the introduction, the header and every section, from the stored runs."""
+    return INTRO + "\n" + header(runs) + "\n\n" + "\n".join(section(name, runs.get(name)) for name in SECTIONS)
+
+
+def figures(runs: dict[str, dict]) -> dict[str, str]:
+    """Every quotable figure, keyed SECTION.NAME."""
+    from benchmarks.hardware import picks
+
+    found = {}
+    for name, run in runs.items():
+        found[f"{name}.cpu"] = run["machine"]["cpu"]
+        found[f"{name}.picks"] = picks(run["machine"])
+        found[f"{name}.date"] = run["started"][:10]
+        found[f"{name}.took"] = duration(run["seconds"])
+        if "skipped" not in run["results"] and hasattr(_module(name), "figures"):
+            found |= {f"{name}.{key}": value for key, value in _module(name).figures(run["results"]).items()}
+    return found
+
+
+def quote(text: str, known: dict[str, str], where: str) -> str:
+    """`text` with each marked figure replaced by its value in `known`; a key it lacks is an error naming it."""
+    if text.count(OPENING) != len(MARKER.findall(text)):
+        raise ValueError(f"{where}: a '{OPENING} KEY -->' marker without its '<!-- /figure -->'")
+
+    def replace(match: re.Match) -> str:
+        key = match.group(1)
+        if key not in known:
+            name = key.split(".")[0]
+            raise KeyError(f"{where}: the marker names {key!r}, which no file in benchmarks/results/ provides; "
+                           f"{name!r} has: {', '.join(k for k in known if k.startswith(name + '.')) or 'nothing'}")
+        return f"<!-- figure: {key} -->{known[key]}<!-- /figure -->"
+
+    return MARKER.sub(replace, text)
+
+
+def unmarked(text: str) -> list[str]:
+    """Measured-looking figures outside any marker and outside code blocks: each should be quoted from a result."""
+    prose = re.sub(r"^```.*?^```", "", MARKER.sub("", text), flags=re.S | re.M)
+    prose = re.sub(r"`[^`\n]*`", "", prose)  # inline code: options and commands, not figures
+    return [line.strip() for line in prose.splitlines() if MEASURED.search(line)]
+
+
+def documents() -> list[Path]:
+    """The documents that quote figures: README.md and docs/*.md but PERFORMANCE.md, which is rendered whole."""
+    return [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md")) if p != PERFORMANCE)]
+
+
+def rendered(results: Path = RESULTS, out: Path = PERFORMANCE, docs: bool = True) -> dict[Path, str]:
+    """Each file as it should read: `out` rendered from `results`, and (`docs`) the documents with their markers."""
+    runs = load(results)
+    files = {out: performance(runs)}
+    if docs:
+        known = figures(runs)
+        files |= {path: quote(path.read_text(), known, str(path.relative_to(ROOT))) for path in documents()}
+    return files
+
+
+def main(results: Path = RESULTS, out: Path = PERFORMANCE, docs: bool = True, check: bool = False) -> list[Path]:
+    """Write (or with `check`, only compare) the rendered files; returns those that differed."""
+    differ = []
+    for path, text in rendered(results, out, docs).items():
+        old = path.read_text() if path.is_file() else ""
+        if old == text:
+            continue
+        differ.append(path)
+        if check:
+            print("".join(difflib.unified_diff(old.splitlines(True), text.splitlines(True), str(path), "rendered")))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}")
+    return differ
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a document differs")
+    args = parser.parse_args()
+    stale = main(check=args.check)
+    unquoted = {str(p.relative_to(ROOT)): unmarked(p.read_text()) for p in documents()}
+    for path, lines in unquoted.items():
+        for line in lines:
+            print(f"{path}: a measured figure outside a marker: {line}")
+    raise SystemExit(1 if args.check and (stale or any(unquoted.values())) else 0)
