@@ -12,12 +12,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 # Shrinks any shipped config to seconds on a CPU: small network, small images, few batches, no rich widgets.
+def shipped_config(name: str = "quickstart.yaml") -> dict:
+    """A shipped config as a dict, its `trainer.callbacks: callbacks/<file>.yaml` read in (jsonargparse reads the path
+    relative to the config's folder), so that a test can edit the list and write the config elsewhere."""
+    path = CONFIGS / name
+    cfg = yaml.safe_load(path.read_text())
+    if isinstance(cfg.get("trainer", {}).get("callbacks"), str):
+        cfg["trainer"]["callbacks"] = yaml.safe_load((path.parent / cfg["trainer"]["callbacks"]).read_text())
+    return cfg
+
+
 TINY = [
     "--model.arch", "resnet18", "--model.head_hidden", "32", "--data.image_size", "32",
     "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator", "cpu",

@@ -15,7 +15,16 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import CONFIGS, ROOT, cli_env, free_port, kill_args, make_image_folder, max_diff, run_cli
+from tests.helpers import (
+    ROOT,
+    cli_env,
+    free_port,
+    kill_args,
+    make_image_folder,
+    max_diff,
+    run_cli,
+    shipped_config,
+)
 from training.checkpointing import checkpoint_problem
 
 STEPS_PER_EPOCH = 4  # 32 train images / batch 8
@@ -43,7 +52,7 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     TrivialAugment, random erasing), which a resume must draw again alike, and one of the recipe's samplers, whose
     position a resume must restore: class-balanced sampling on one process, repeated augmentation on several.
     """
-    cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    cfg = shipped_config()
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
     if background_writes:
         cfg["trainer"]["plugins"] = [{"class_path": "training.checkpointing.AsyncAtomicCheckpointIO"}]
