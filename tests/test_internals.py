@@ -79,7 +79,7 @@ def test_private_state_exists_on_instances():
 
 
 def test_optuna_trial_internals_used_by_the_sweep():
-    """training/sweep.py hands trials across processes by id (as optuna-integration's PyTorchLightningPruningCallback
+    """training/sweep_trial.py hands trials across processes by id (as optuna-integration's PyTorchLightningPruningCallback
     does)."""
     study = optuna.create_study()
     trial = study.ask()

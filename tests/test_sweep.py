@@ -19,17 +19,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli, wandb_offline_env, wandb_run_record
 from training.cli import cli_main
-from training.sweep import (
-    SweepFileError,
-    load_sweep,
-    make_pruner,
-    make_sampler,
-    print_table,
-    remaining,
-    suggest,
-    trial_args,
-)
 from training.sweep import main as sweep_main
+from training.sweep import print_table, remaining
+from training.sweep_file import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 
