@@ -13,6 +13,7 @@ import numpy as np
 import simplejpeg
 import torch
 from PIL import Image
+from torchvision.datasets.folder import make_dataset
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms.v2.functional import pil_to_tensor
 
@@ -38,7 +39,8 @@ def list_images(folder: str | os.PathLike) -> list[str]:
 
 
 def find_classes(split_dir: Path) -> list[str]:
-    """Class names of an ImageFolder split: its sub-folders, sorted (torchvision semantics)."""
+    """Class names of an ImageFolder split: its sub-folders, sorted (torchvision semantics). Not torchvision's
+    find_classes, which counts hidden folders (.ipynb_checkpoints, .cache) as classes."""
     if not split_dir.is_dir():
         raise FileNotFoundError(f"{split_dir} is not a folder; expected one sub-folder per class")
     classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
@@ -48,16 +50,17 @@ def find_classes(split_dir: Path) -> list[str]:
 
 
 def scan_split(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
-    """(path, class index) for every image of `split_dir`; each class folder must hold at least one image."""
-    samples: list[tuple[str, int]] = []
-    for idx, name in enumerate(classes):
-        files = list_images(split_dir / name)
-        if not files:
+    """(path, class index) for every image of `split_dir`, nested folders included (torchvision's make_dataset); each
+    class folder must hold at least one image, named in our message rather than torchvision's list of classes."""
+    samples = make_dataset(str(split_dir), {name: i for i, name in enumerate(classes)}, extensions=IMG_EXTENSIONS,
+                           allow_empty=True)
+    counts = np.bincount([target for _, target in samples], minlength=len(classes))
+    for name, count in zip(classes, counts, strict=True):
+        if not count:
             raise FileNotFoundError(
                 f"class folder {split_dir / name} holds no images ({', '.join(IMG_EXTENSIONS)}); "
                 "add images or remove the folder"
             )
-        samples.extend((f, idx) for f in files)
     return samples
 
 

@@ -231,3 +231,19 @@ def test_loader_workers_freeze_the_inherited_heap_and_keep_lightnings_seeding(tm
                                                                                         rank=0))))
     assert ours[1].tolist() == [1, 1, 1, 1]  # frozen in the worker
     assert torch.equal(ours[0], lightnings[0])  # and seeded exactly as Lightning seeds a worker
+
+
+def test_class_folders_may_nest_and_hidden_folders_are_no_class(tmp_path):
+    """Images in sub-folders of a class folder belong to it (torchvision's make_dataset); a hidden folder beside the
+    classes (.ipynb_checkpoints) is not a class, as torchvision's own find_classes would make it."""
+    root = make_image_folder(tmp_path, {"a": 3, "b": 3}, splits=("train",), size=32)
+    (root / "train" / "a" / "more" / "deeper").mkdir(parents=True)
+    Image.new("RGB", (32, 32)).save(root / "train" / "a" / "more" / "deeper" / "x.png")
+    (root / "train" / ".ipynb_checkpoints").mkdir()
+    Image.new("RGB", (32, 32)).save(root / "train" / ".ipynb_checkpoints" / "y.png")
+    dm = ImageFolderDataModule(str(root), batch_size=2, num_workers=0, image_size=32, val_split=0.34, preset="none",
+                               scan_cache=False)
+    dm.setup("fit")
+    assert dm.class_names == ["a", "b"]
+    paths = [path for path, _ in dm.train_set.samples] + [path for path, _ in dm.val_set.samples]
+    assert len(paths) == 7 and str(root / "train" / "a" / "more" / "deeper" / "x.png") in paths
