@@ -79,8 +79,21 @@ def test_private_state_exists_on_instances():
 
 
 def test_optuna_trial_internals_used_by_the_sweep():
-    """training/sweep_trial.py hands trials across processes by id (as optuna-integration's PyTorchLightningPruningCallback
-    does)."""
+    """training/sweep_trial.py hands a running trial to its `imgcls fit` process by id (no public handle reaches it
+    from another process), and there writes the system attributes of optuna-integration's protocol for a trainer in
+    another process (Optuna has no public setter); the sweep reads the pruning decision from the same keys."""
+    from optuna_integration.pytorch_lightning import PyTorchLightningPruningCallback
+    from optuna_integration.pytorch_lightning import pytorch_lightning as integration
+
+    from training.sweep_trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY
+
     study = optuna.create_study()
     trial = study.ask()
-    assert isinstance(trial._trial_id, int) and trial.study._storage is study._storage
+    assert isinstance(trial._trial_id, int)
+    assert optuna.trial.Trial(study, trial._trial_id).number == trial.number
+    trial.storage.set_trial_system_attr(trial._trial_id, PRUNED_KEY, True)
+    assert study.trials[0].system_attrs[PRUNED_KEY] is True
+    assert (INTERMEDIATE_KEY, PRUNED_KEY, EPOCH_KEY) == (integration._INTERMEDIATE_VALUE, integration._PRUNED_KEY,
+                                                         integration._EPOCH_KEY)
+    callback = PyTorchLightningPruningCallback(trial, "val/acc")  # SweepTrial sets and reads these
+    assert callback.is_ddp_backend is False and callback._trial is trial

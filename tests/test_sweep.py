@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
+import torch
 import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
@@ -22,6 +25,7 @@ from training.cli import cli_main
 from training.sweep import main as sweep_main
 from training.sweep import print_table, remaining
 from training.sweep_file import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
+from training.sweep_trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, trial_callback
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 
@@ -257,3 +261,62 @@ def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_
     assert max(first.datetime_start, second.datetime_start) < min(first.datetime_complete, second.datetime_complete)
     for t in trials:  # each trial's offline W&B run, in the sweep's group
         assert wandb_run_record(Path(t.user_attrs["run_dir"]))["run_group"] == "random2"
+
+
+def _fake_trials(monkeypatch, prune: str = "") -> None:
+    """Trials run by tests/sweep_fake_trial.py (no training) and a sweep file taken as parsed."""
+    monkeypatch.setattr("training.sweep.check_keys", lambda sweep: None)  # `imgcls fit --print_config`: seconds
+    monkeypatch.setattr("training.sweep_trial.TRIAL_COMMAND", [sys.executable, "-m", "tests.sweep_fake_trial"])
+    monkeypatch.setenv("FAKE_TRIAL_PRUNE", prune)
+
+
+def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatch):
+    """--workers 2 on a journal file: two trial processes report into it at the same time, one of them is pruned,
+    and the sweep reads each outcome back; run_cap ends it."""
+    path = write_sweep(tmp_path / "random.yaml", tmp_path, name="journal2", method="random", run_cap=3,
+                       parameters={"model.lr": {"distribution": "log_uniform_values", "min": 0.005, "max": 0.05}},
+                       early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3})
+    _fake_trials(monkeypatch, prune="1")
+    url, out = f"journal:///{tmp_path / 'sweep.journal'}", tmp_path / "sweep"
+    sweep_main(["--config", str(path), "--out", str(out), "--workers", "2", "--seed", "0", "--storage", url])
+    trials = optuna.load_study(study_name="journal2", storage=open_storage(url)).trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.COMPLETE]
+    first, second = trials[:2]
+    assert max(first.datetime_start, second.datetime_start) < min(first.datetime_complete, second.datetime_complete)
+    for t in trials:  # val/acc = lr * epoch in the fake trial; a pruned trial's value is its last report
+        lr, epochs = t.params["model.lr"], 1 if t.state == TrialState.PRUNED else 2
+        assert t.intermediate_values == pytest.approx({e: lr * (e + 1) for e in range(epochs)})
+        assert t.value == pytest.approx(lr * epochs)
+    assert not (out / "sweep.db").exists()
+    best = max(trials, key=lambda t: t.value)
+    assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
+
+
+def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
+    """The callback inside a trial process, on a journal file and driven by a stand-in Trainer: each epoch's metric,
+    the pruning flag (cleared first: a retry inherits its predecessor's), and the final metrics; what
+    tests/sweep_fake_trial.py stands in for."""
+    url = f"journal:///{tmp_path / 'sweep.journal'}"
+    study = optuna.create_study(study_name="one", storage=open_storage(url), direction="maximize")
+    trial = study.ask()
+    trial.storage.set_trial_system_attr(trial._trial_id, PRUNED_KEY, True)  # as copied from a pruned predecessor
+    monkeypatch.setenv(TRIAL_ENV_VAR, json.dumps({"storage": url, "study": "one", "trial_id": trial._trial_id,
+                                                  "metric": "val/acc", "hyperband": None}))
+    asked = []  # the pruner stops the trial at its second epoch
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: asked.append(self.number) or len(asked) == 2)
+    callback = trial_callback()
+    trainer = SimpleNamespace(is_global_zero=True, sanity_checking=False, should_stop=False, callback_metrics={},
+                              state=SimpleNamespace(fn="fit"), strategy=SimpleNamespace(broadcast=lambda x: x))
+    callback.on_fit_start(trainer, None)
+    assert study.trials[0].system_attrs[PRUNED_KEY] is False
+    for epoch in range(3):
+        trainer.callback_metrics = {"val/acc": torch.tensor(0.25 * (epoch + 1)), "val/loss": torch.tensor(1.0)}
+        callback.on_validation_end(trainer, SimpleNamespace(current_epoch=epoch))
+        if trainer.should_stop:
+            break
+    trainer.state.fn = "validate"  # the final validation of the best checkpoint
+    callback.on_validation_end(trainer, None)
+    left = study.trials[0]
+    assert left.intermediate_values == {0: 0.25, 1: 0.5} and trainer.should_stop
+    assert (left.system_attrs[PRUNED_KEY], left.system_attrs[EPOCH_KEY]) == (True, 1)
+    assert left.user_attrs["final_metrics"] == {"val/acc": 0.5, "val/loss": 1.0}

@@ -4,9 +4,15 @@
 
 Each trial is an ordinary `imgcls fit` run (a subprocess, so a crash or an out-of-memory kill costs one trial, not
 the sweep) in `<out>/trial_NNNN/`. Trials live in an Optuna study: by default a SQLite file `<out>/sweep.db`; any
-SQLAlchemy URL lets workers on several machines share the sweep. Rerunning the same command resumes: finished trials
-are kept, failed or interrupted ones are retried. At the end a table sorted by the metric is printed and
-`<out>/best.yaml` is written: `imgcls fit --config <out>/best.yaml` reruns the best trial.
+SQLAlchemy URL lets workers on several machines share the sweep. `--storage journal:///<path>` keeps the study in an
+Optuna journal file instead, for many workers on one machine (`--workers N`, or several sweeps on one storage): they
+append to it under a file lock, with no SQLite database lock to time out. It is not the default for `--workers > 1`
+because the storage would then follow `--workers`, and a sweep resumed with another count would find no trials.
+
+Rerunning the same command resumes: finished trials are kept, failed or interrupted ones are retried (through the
+database's heartbeat when another worker may still run them; a journal has none, so a trial left running by a dead
+worker is retried by the next sweep that is alone on that journal). At the end a table sorted by the metric is
+printed and `<out>/best.yaml` is written: `imgcls fit --config <out>/best.yaml` reruns the best trial.
 
 The sweep file's schema is in training/sweep_file.py, one trial's process in training/sweep_trial.py.
 """
@@ -14,6 +20,7 @@ The sweep file's schema is in training/sweep_file.py, one trial's process in tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import sys
@@ -24,49 +31,48 @@ from pathlib import Path
 import yaml
 
 from training.sweep_file import Sweep, SweepFileError, check_keys, load_sweep, make_pruner, make_sampler
-from training.sweep_trial import TrialFailed, run_trial, trial_callback
+from training.sweep_trial import TrialFailed, open_storage, run_trial, storage_file
 
-# ---- Optuna -----------------------------------------------------------------------------------------------------
+# ---- the study --------------------------------------------------------------------------------------------------
 
-def _sqlite_path(url: str) -> Path | None:
-    return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
-
-
-def open_study(sweep: Sweep, url: str, seed: int | None):
-    import optuna
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+def connect(url: str):
+    """The sweep's storage. A database's heartbeats let a worker on another machine notice a trial whose worker died,
+    and retry it."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
     from sqlalchemy.exc import SQLAlchemyError
 
     for attempt in range(5):
         try:
-            # Heartbeats let a worker on another machine notice a trial whose worker died, and retry it.
-            storage = RDBStorage(url, heartbeat_interval=30, grace_period=120,
-                                 heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=None))
-            break
+            return open_storage(url, heartbeat_interval=30, grace_period=120,
+                                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=None))
         except SQLAlchemyError:
             # Workers that start together on a fresh database race to create its tables (optuna issue 1092); the
             # loser's insert fails, and on a retry it finds the winner's schema in place.
             if attempt == 4:
                 raise
             time.sleep(1 + attempt)
-    direction = "maximize" if sweep.goal == "maximize" else "minimize"
-    return optuna.create_study(study_name=sweep.name, storage=storage, direction=direction, load_if_exists=True,
+
+
+def open_study(sweep: Sweep, storage, seed: int | None):
+    import optuna
+
+    return optuna.create_study(study_name=sweep.name, storage=storage, direction=sweep.goal, load_if_exists=True,
                                sampler=make_sampler(sweep, seed), pruner=make_pruner(sweep.hyperband))
 
 
-def requeue(study, *, sole_worker: bool) -> int:
-    """Queue a retry of every failed trial not yet retried; with `sole_worker` (we hold the sweep folder's lock, so
-    no other process runs this SQLite study) trials left RUNNING by a killed sweep count as failed."""
+def requeue(storage, name: str, *, sole_worker: bool) -> int:
+    """Queue a retry of every failed trial not yet retried; with `sole_worker` (no other sweep uses this storage
+    file) trials left RUNNING by a killed sweep count as failed."""
+    import optuna
     from optuna.storages import RetryHeartbeatStaleTrialCallback
     from optuna.trial import TrialState
 
-    storage = study._storage
-    trials = study.get_trials(deepcopy=False)
+    # tell() runs the sampler's after_trial, and a GridSampler's would stop an optimize loop that is not running.
+    study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler())
     if sole_worker:
-        for t in trials:
-            if t.state == TrialState.RUNNING:
-                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-        trials = study.get_trials(deepcopy=False)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study.tell(t.number, state=TrialState.FAIL)
+    trials = study.get_trials(deepcopy=False)
     retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
     retry = RetryHeartbeatStaleTrialCallback(max_retry=None)
     todo = [t for t in trials if t.state == TrialState.FAIL and t.number not in retried]
@@ -76,6 +82,8 @@ def requeue(study, *, sole_worker: bool) -> int:
 
 
 def remaining(study, sweep: Sweep, budget: int | None) -> int:
+    """Trials for this worker to run: a grid's points not finished yet (or its queued retries, if more), else the
+    budget less the finished trials of every worker."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
@@ -144,23 +152,22 @@ def print_table(study, sweep: Sweep) -> None:
 
 # ---- the command ------------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--trial"]:  # inside a trial process
-        from training.cli import cli_main
-
-        cli_main(argv[1:], trainer_defaults={"callbacks": [trial_callback()]})
-        return
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imgcls sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="sweep file in the W&B sweep schema")
     parser.add_argument("--out", help="sweep folder (default runs/sweeps/<name>)")
     parser.add_argument("--storage", default=os.environ.get("IMGCLS_SWEEP_STORAGE"),
-                        help="SQLAlchemy URL of the Optuna storage (default sqlite:///<out>/sweep.db); "
-                             "also read from $IMGCLS_SWEEP_STORAGE, which keeps a password off the command line")
+                        help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/sweep.db), or "
+                             "journal:///<path> for a journal file (many workers on one machine); also read from "
+                             "$IMGCLS_SWEEP_STORAGE, which keeps a password off the command line")
     parser.add_argument("--workers", type=int, default=1, help="trials run at once on this machine")
     parser.add_argument("--trials", type=int, help="trials of a random/bayes sweep (default: run_cap)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[Sweep, int | None]:
+    """The checked sweep file and its budget of finished trials (None for a grid); exits naming the key at fault."""
     try:
         sweep = load_sweep(args.config)
         budget = args.trials or sweep.run_cap
@@ -172,31 +179,51 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {err}") from None
     if args.workers < 1:
         raise SystemExit("error: --workers must be at least 1")
+    return sweep, budget
 
-    out = Path(args.out or Path("runs/sweeps") / sweep.name).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    url = args.storage or f"sqlite:///{out / 'sweep.db'}"
-    lock = open(out / ".sweep.lock", "w")  # noqa: SIM115 (held for the life of the process)
+
+def _try_lock(handle, kind: int) -> bool:
+    """Take a flock of `kind` (LOCK_EX or LOCK_SH) on the open file `handle`; False when another process's lock
+    stands in the way."""
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, kind | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise SystemExit(f"error: another `imgcls sweep` runs in {out}; use --workers N to run trials in "
-                         "parallel, or a shared --storage URL for workers on other machines") from None
+        return False
+    return True
 
+
+def _retry_failed(held: contextlib.ExitStack, url: str, storage, name: str) -> int:
+    """requeue(), and a shared lock on the storage file held until `held` closes. Every sweep on the file holds it
+    shared while it runs trials, so one that gets it exclusive is alone there: a trial still RUNNING was left by a
+    killed sweep. A database server has heartbeats for that instead."""
+    file = storage_file(url)
+    if file is None:
+        return requeue(storage, name, sole_worker=False)
+    lock = held.enter_context(open(file.with_name(f".{file.name}.lock"), "a"))
+    alone = _try_lock(lock, fcntl.LOCK_EX)
+    if not alone:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # waits while a sweep that is alone fails what killed ones left running
+    retried = requeue(storage, name, sole_worker=alone)
+    fcntl.flock(lock, fcntl.LOCK_SH)  # others may join now: the exclusive lock becomes a shared one
+    return retried
+
+
+def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers: int, seed: int | None,
+              held: contextlib.ExitStack) -> None:
+    """Retry what failed, run the trials left, print the table and write best.yaml."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    # check_pruned() replays the epochs a trial process already reported; Optuna warns about each duplicate.
-    warnings.filterwarnings("ignore", message="The reported value is ignored")
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    study = open_study(sweep, url, args.seed)
-    retried = requeue(study, sole_worker=_sqlite_path(url) is not None)
+    storage = connect(url)
+    study = open_study(sweep, storage, seed)
+    retried = _retry_failed(held, url, storage, sweep.name)
     todo = remaining(study, sweep, budget)
-    safe_url = url if _sqlite_path(url) else url.split("://")[0] + "://..."  # never print a password
-    print(f"sweep {sweep.name}: {todo} trial(s) to run ({retried} retried), {args.workers} at once; "
-          f"storage {safe_url}; trials in {out}", flush=True)
+    shown = url if storage_file(url) else url.split("://")[0] + "://..."  # never print a password
+    print(f"sweep {sweep.name}: {todo} trial(s) to run ({retried} retried), {workers} at once; "
+          f"storage {shown}; trials in {out}", flush=True)
     while todo > 0:
-        study.optimize(lambda trial: run_trial(trial, sweep, out, url), n_trials=todo, n_jobs=args.workers,
+        study.optimize(lambda trial: run_trial(trial, sweep, out, url), n_trials=todo, n_jobs=workers,
                        catch=(TrialFailed,))
         before, todo = todo, remaining(study, sweep, budget)
         if todo >= before or sweep.method != "grid":
@@ -204,6 +231,19 @@ def main(argv: list[str] | None = None) -> None:
     print_table(study, sweep)
     best = write_best(study, sweep, out)
     print(f"best config: {best}  (rerun: imgcls fit --config {best})" if best else "no trial finished")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    sweep, budget = _load(args)
+    out = Path(args.out or Path("runs/sweeps") / sweep.name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    url = args.storage or f"sqlite:///{out / 'sweep.db'}"
+    with contextlib.ExitStack() as held:
+        if not _try_lock(held.enter_context(open(out / ".sweep.lock", "w")), fcntl.LOCK_EX):
+            raise SystemExit(f"error: another `imgcls sweep` runs in {out}; use --workers N to run trials in "
+                             "parallel, or a shared --storage URL for workers on other machines")
+        run_sweep(sweep, out, url, budget=budget, workers=args.workers, seed=args.seed, held=held)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """One sweep trial: `run_trial` runs it as an `imgcls fit` process, and the callback in that process reports to the
 study.
 
-    python -m training.sweep --trial fit <the trial's arguments>     # what run_trial starts, $IMGCLS_SWEEP_TRIAL set
+    python -m training.sweep_trial fit <the trial's arguments>     # what run_trial starts, $IMGCLS_SWEEP_TRIAL set
+
+Both ends open the study from the same storage URL (`open_storage`): an SQLAlchemy URL, or `journal:///<path>` for an
+Optuna journal file.
 """
 
 from __future__ import annotations
@@ -17,6 +20,29 @@ from pathlib import Path
 from training.sweep_file import Sweep, make_pruner, suggest, trial_args
 
 TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial id, metric, pruner
+TRIAL_COMMAND = [sys.executable, "-m", "training.sweep_trial"]  # the trial process, before `fit <arguments>`
+# optuna-integration's private protocol for a trainer in another process: where it leaves each epoch's metric and its
+# pruning decision (tests/test_internals.py holds these to the integration's own names).
+INTERMEDIATE_KEY, PRUNED_KEY, EPOCH_KEY = "ddp_pl:intermediate_value", "ddp_pl:pruned", "ddp_pl:epoch"
+JOURNAL = "journal:///"
+
+
+def storage_file(url: str) -> Path | None:
+    """The file behind a `sqlite:///` or `journal:///` URL; None for a database server."""
+    for scheme in ("sqlite:///", JOURNAL):
+        if url.startswith(scheme):
+            return Path(url.removeprefix(scheme))
+    return None
+
+
+def open_storage(url: str, **rdb_options):
+    """The Optuna storage at `url`: `journal:///<path>` a JournalStorage, any other URL an RDBStorage(`rdb_options`)."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    if url.startswith(JOURNAL):
+        return JournalStorage(JournalFileBackend(str(storage_file(url))))
+    return optuna.storages.RDBStorage(url, **rdb_options)
 
 
 def _die_with_parent() -> None:
@@ -32,18 +58,16 @@ class TrialFailed(RuntimeError):
 
 
 def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
-    # From its module, not the package: the package resolves names lazily, and two --workers threads doing that at
-    # once make one of them fail with an ImportError.
-    from optuna_integration.pytorch_lightning import PyTorchLightningPruningCallback
-
+    """Run one trial as an `imgcls fit` process in `<out>/trial_NNNN`; its result is the metric of the final
+    validation of its best checkpoint. Raises TrialPruned if the pruner stopped it, TrialFailed if it failed."""
     params = suggest(trial, sweep)
     run_dir = out / f"trial_{trial.number:04d}"
     trial.set_user_attr("run_dir", str(run_dir))
     trial.set_user_attr("final_metrics", {})  # a retry copies its predecessor's attributes: start clean
-    trial.storage.set_trial_system_attr(trial._trial_id, "ddp_pl:pruned", False)
     args = [*sweep.fixed_args, *trial_args(params), f"--trainer.default_root_dir={run_dir}"]
     env = dict(os.environ)
     # The storage URL may hold a password: it goes through the environment, never into a command line or config.
+    # The trial id is private, but no public handle reaches a running trial from another process.
     env[TRIAL_ENV_VAR] = json.dumps({"storage": url, "study": sweep.name, "trial_id": trial._trial_id,
                                      "metric": sweep.metric, "hyperband": sweep.hyperband})
     env.setdefault("WANDB_RUN_GROUP", sweep.name)  # wandb runs of one sweep share a group
@@ -52,15 +76,22 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
     with open(run_dir / "fit.log", "w") as log:
         log.write(f"imgcls fit {' '.join(args)}\n")
         log.flush()
-        code = subprocess.call([sys.executable, "-m", "training.sweep", "--trial", "fit", *args], env=env,
-                               stdout=log, stderr=subprocess.STDOUT,
+        code = subprocess.call([*TRIAL_COMMAND, "fit", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     if code != 0:
         raise TrialFailed(f"trial {trial.number} exited with {code}; see {run_dir / 'fit.log'}")
-    # The child reported each epoch's metric into the storage; this replays it here and raises TrialPruned if the
-    # pruner stopped it (optuna-integration's protocol for trainers in other processes).
-    PyTorchLightningPruningCallback(trial, sweep.metric).check_pruned()
-    final = trial.study._storage.get_trial_user_attrs(trial._trial_id).get("final_metrics", {})
+    return _outcome(trial, sweep)
+
+
+def _outcome(trial, sweep: Sweep) -> float:
+    """What the trial process left in the study: pruned (raises TrialPruned), or the final value of the metric."""
+    import optuna
+
+    left = trial.study.get_trials(deepcopy=False)[trial.number]  # read again from the storage
+    # The pruning flag is read here, not by the callback's check_pruned(), which skips any storage but an RDB one.
+    if left.system_attrs.get(PRUNED_KEY):
+        raise optuna.TrialPruned(f"trial {trial.number} was pruned at epoch {left.system_attrs.get(EPOCH_KEY)}")
+    final = left.user_attrs.get("final_metrics", {})
     if sweep.metric not in final:
         raise TrialFailed(f"trial {trial.number} did not log {sweep.metric!r} (logged: {sorted(final)}); "
                           f"check metric.name in {sweep.path}")
@@ -77,22 +108,35 @@ def trial_callback():
         metrics of the final validation of the best checkpoint as the trial's result."""
 
         def __init__(self, spec: dict) -> None:
-            study = optuna.load_study(study_name=spec["study"], storage=spec["storage"],
+            study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
                                       pruner=make_pruner(spec["hyperband"]))
+            # Trial(study, id) is private too: the integration's own hand-over of a trial to another process.
             super().__init__(optuna.trial.Trial(study, spec["trial_id"]), spec["metric"])
 
         def on_fit_start(self, trainer, pl_module) -> None:
-            super().on_fit_start(trainer, pl_module)
-            # The storage path of the DDP protocol, also for one process: the sweep process reads the results.
+            # The integration's DDP protocol, also for one process: the sweep process reads the outcome. Not its
+            # on_fit_start, which refuses a storage other than an RDB one under DDP (a journal file serves too).
             self.is_ddp_backend = True
-            if trainer.is_global_zero:
-                self._trial.storage.set_trial_system_attr(self._trial._trial_id, "ddp_pl:intermediate_value", {})
+            if trainer.is_global_zero:  # a retry copies its predecessor's system attributes: start clean
+                for key, value in ((INTERMEDIATE_KEY, {}), (PRUNED_KEY, False)):
+                    self._trial.storage.set_trial_system_attr(self._trial._trial_id, key, value)  # no public setter
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if trainer.state.fn == "fit":
                 super().on_validation_end(trainer, pl_module)
             elif trainer.is_global_zero and not trainer.sanity_checking:  # after_fit's validation of the best
                 final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-                self._trial.storage.set_trial_user_attr(self._trial._trial_id, "final_metrics", final)
+                self._trial.set_user_attr("final_metrics", final)
 
     return SweepTrial(json.loads(os.environ[TRIAL_ENV_VAR]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Inside a trial process: `imgcls fit` with the callback that reports to the study."""
+    from training.cli import cli_main
+
+    cli_main(sys.argv[1:] if argv is None else list(argv), trainer_defaults={"callbacks": [trial_callback()]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""A stand-in for a sweep trial's `imgcls fit` process, with no training and no Lightning import: it leaves in the
+study what training.sweep_trial's callback leaves there (test_trial_callback_leaves_what_the_sweep_reads checks that
+the callback does), so that tests of the sweep process run in seconds.
+
+    python -m tests.sweep_fake_trial fit ... --model.lr=0.01 ... --trainer.default_root_dir=<run dir>
+
+Two epochs of half a second each, val/acc = lr * epoch; a trial whose number is in $FAKE_TRIAL_PRUNE (comma-separated)
+is pruned after its first epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import yaml
+
+from training.sweep_file import make_pruner
+from training.sweep_trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage
+
+
+def main(argv: list[str]) -> None:
+    options = dict(arg.removeprefix("--").split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+    run_dir, lr = Path(options["trainer.default_root_dir"]), float(options["model.lr"])
+    spec = json.loads(os.environ[TRIAL_ENV_VAR])
+    study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
+                              pruner=make_pruner(spec["hyperband"]))
+    trial = optuna.trial.Trial(study, spec["trial_id"])
+    prune = str(trial.number) in os.environ.get("FAKE_TRIAL_PRUNE", "").split(",")
+    for key, value in ((INTERMEDIATE_KEY, {}), (PRUNED_KEY, False)):
+        trial.storage.set_trial_system_attr(trial._trial_id, key, value)
+    for epoch in range(2):
+        time.sleep(0.5)
+        trial.report(lr * (epoch + 1), step=epoch)
+        if prune:
+            trial.storage.set_trial_system_attr(trial._trial_id, PRUNED_KEY, True)
+            trial.storage.set_trial_system_attr(trial._trial_id, EPOCH_KEY, epoch)
+            break
+    trial.set_user_attr("final_metrics", {spec["metric"]: lr * (epoch + 1), "val/loss": 1.0})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"lr": lr},
+                                                         "trainer": {"default_root_dir": str(run_dir)}}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
