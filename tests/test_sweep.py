@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -268,6 +270,33 @@ def _fake_trials(monkeypatch, prune: str = "") -> None:
     monkeypatch.setattr("training.sweep.check_keys", lambda sweep: None)  # `imgcls fit --print_config`: seconds
     monkeypatch.setattr("training.sweep_trial.TRIAL_COMMAND", [sys.executable, "-m", "tests.sweep_fake_trial"])
     monkeypatch.setenv("FAKE_TRIAL_PRUNE", prune)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypatch, kind):
+    """Two sweeps on one study (two folders, as on two machines) stop at run_cap finished trials between them, not
+    at run_cap each: after each of its trials a sweep counts the study's. A trial already running then still
+    finishes, so two sweeps may end one trial over."""
+    path = write_sweep(tmp_path / "random.yaml", tmp_path, name="capped", method="random", run_cap=3,
+                       parameters={"model.lr": {"min": 0.01, "max": 0.1}})
+    both_started = threading.Barrier(2, timeout=120)
+
+    def trial_in_memory(trial, sweep, out, url):
+        if trial.number < 2:
+            both_started.wait()  # each sweep has counted the trials it has to run before either finishes one
+        return suggest(trial, sweep)["model.lr"]
+
+    monkeypatch.setattr("training.sweep.check_keys", lambda sweep: None)
+    monkeypatch.setattr("training.sweep.run_trial", trial_in_memory)
+    monkeypatch.setattr("training.sweep.write_best", lambda study, sweep, out: None)  # no run folders here
+    url = f"sqlite:///{tmp_path / 'shared.db'}" if kind == "sqlite" else f"journal:///{tmp_path / 'shared.journal'}"
+    with ThreadPoolExecutor(2) as pool:
+        sweeps = [pool.submit(sweep_main, ["--config", str(path), "--out", str(tmp_path / f"sweep{i}"),
+                                           "--storage", url, "--seed", str(i)]) for i in range(2)]
+        for sweep in sweeps:
+            sweep.result()
+    trials = optuna.load_study(study_name="capped", storage=open_storage(url)).trials
+    assert [t.state for t in trials].count(TrialState.COMPLETE) in (3, 4), [t.state for t in trials]
 
 
 def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ Optuna journal file instead, for many workers on one machine (`--workers N`, or 
 append to it under a file lock, with no SQLite database lock to time out. It is not the default for `--workers > 1`
 because the storage would then follow `--workers`, and a sweep resumed with another count would find no trials.
 
+`run_cap` (or `--trials`) counts the finished (complete or pruned) trials of every worker of the study: a worker
+stops starting trials once it is reached (`MaxTrialsCallback`); a grid runs each of its points once instead.
 Rerunning the same command resumes: finished trials are kept, failed or interrupted ones are retried (through the
 database's heartbeat when another worker may still run them; a journal has none, so a trial left running by a dead
 worker is retried by the next sweep that is alone on that journal). At the end a table sorted by the metric is
@@ -212,6 +214,8 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
               held: contextlib.ExitStack) -> None:
     """Retry what failed, run the trials left, print the table and write best.yaml."""
     import optuna
+    from optuna.study import MaxTrialsCallback
+    from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -222,9 +226,12 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
     shown = url if storage_file(url) else url.split("://")[0] + "://..."  # never print a password
     print(f"sweep {sweep.name}: {todo} trial(s) to run ({retried} retried), {workers} at once; "
           f"storage {shown}; trials in {out}", flush=True)
+    # The budget counts every worker's finished trials, read from the study after each trial; a grid's sampler stops
+    # by itself once each point has run.
+    cap = [] if sweep.method == "grid" else [MaxTrialsCallback(budget, states=(TrialState.COMPLETE, TrialState.PRUNED))]
     while todo > 0:
         study.optimize(lambda trial: run_trial(trial, sweep, out, url), n_trials=todo, n_jobs=workers,
-                       catch=(TrialFailed,))
+                       catch=(TrialFailed,), callbacks=cap)
         before, todo = todo, remaining(study, sweep, budget)
         if todo >= before or sweep.method != "grid":
             break  # failures are retried by the next invocation, not in a loop here
