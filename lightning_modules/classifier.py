@@ -13,15 +13,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchmetrics import MaxMetric, MeanMetric, MetricCollection
+from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import (
     MulticlassAccuracy,
-    MulticlassF1Score,
-    MultilabelAveragePrecision,
     MultilabelExactMatch,
-    MultilabelF1Score,
 )
-from torchvision.transforms import v2
 
 from datamodules import hardware
 from datamodules.arguments import (
@@ -34,6 +30,8 @@ from datamodules.arguments import (
     check_arguments,
 )
 from lightning_modules.network import Arch, build_network, head_prefix
+from lightning_modules.optim import build_optimizer, rescale_learning_rates
+from lightning_modules.targets import batch_mix, split_metrics
 
 Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
@@ -129,9 +127,7 @@ class ImageClassifier(L.LightningModule):
         if multilabel and (mixup_alpha or cutmix_alpha):
             raise ValueError("model.mixup_alpha and model.cutmix_alpha mix single-label targets; this data is "
                              "multi-label (train/labels.csv): set both to 0")
-        # The threshold is a decision made at each command (fit, validate, predict), not part of the trained model:
-        # left out of checkpoints, so that `--model.threshold` always applies (LightningCLI lets a checkpoint's
-        # hyperparameters override the command line).
+        # Each command's own threshold: not checkpointed, as a checkpoint's hparams would override the command line.
         self.save_hyperparameters(ignore=["threshold"])
         self.threshold = threshold
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
@@ -145,8 +141,8 @@ class ImageClassifier(L.LightningModule):
 
         self.train_acc = (MultilabelExactMatch(num_classes, threshold=threshold) if multilabel
                           else MulticlassAccuracy(num_classes, average="micro"))
-        self.val_metrics = _split_metrics(num_classes, "val", multilabel, threshold)
-        self.test_metrics = _split_metrics(num_classes, "test", multilabel, threshold)
+        self.val_metrics = split_metrics(num_classes, "val", multilabel, threshold)
+        self.test_metrics = split_metrics(num_classes, "test", multilabel, threshold)
         # Mean loss over all images of all ranks, synced once at epoch end: ranks may hold different numbers of
         # val/test batches (each image goes to one rank), so a per-step all-reduce (sync_dist) could deadlock.
         self.eval_loss = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
@@ -326,18 +322,7 @@ class ImageClassifier(L.LightningModule):
         hp = self.hparams
         groups = self.param_groups()
         chosen = self.levers.get("optimizer_impl") or resolve_levers(hp, self.device.type)[0]["optimizer_impl"]
-        impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[chosen]
-        if hp.optimizer == "sgd":
-            optimizer = torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=hp.momentum, nesterov=hp.nesterov, **impl)
-        elif hp.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=(hp.momentum, 0.999), **impl)
-        else:  # LAMB: Adam's step scaled per layer by |w| / |step|; timm's, not torch's (which has none)
-            try:
-                from timm.optim import Lamb
-            except ImportError:
-                raise ImportError("model.optimizer=lamb is timm's LAMB: pip install 'imgcls[timm]'") from None
-            optimizer = Lamb(groups, lr=groups[0]["lr"], betas=(hp.momentum, 0.999),
-                             foreach=chosen in ("foreach", "fused") or None)
+        optimizer = build_optimizer(hp.optimizer, groups, momentum=hp.momentum, nesterov=hp.nesterov, impl=chosen)
 
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         # Optimizer steps per epoch from the loader, not total_steps / max_epochs: with max_steps and no max_epochs,
@@ -386,14 +371,7 @@ class ImageClassifier(L.LightningModule):
         factor = self.lr_scale() / saved
         if math.isclose(factor, 1.0):
             return
-        for state in checkpoint.get("optimizer_states", []):
-            for group in state["param_groups"]:
-                for key in ("lr", "initial_lr"):
-                    if key in group:
-                        group[key] *= factor
-        for state in checkpoint.get("lr_schedulers", []):
-            state["base_lrs"] = [lr * factor for lr in state.get("base_lrs", [])]
-            state["_last_lr"] = [lr * factor for lr in state.get("_last_lr", [])]
+        rescale_learning_rates(checkpoint, factor)
         rank_zero_info(
             f"resuming on a global batch of {self.trainer.world_size} x {self.hparams.batch_size} x "
             f"{self.trainer.accumulate_grad_batches}: learning rates rescaled x{factor:.4g} ({self.hparams.lr_scaling} "
@@ -413,36 +391,3 @@ def resolve_levers(hparams, device: str) -> tuple[dict[str, bool | str], list[st
         shown = ("on" if value else "off") if isinstance(value, bool) else value
         reasons.append(f"{key} {shown} ({why})")
     return levers, reasons
-
-
-def _split_metrics(num_classes: int, prefix: str, multilabel: bool = False, threshold: float = 0.5) -> MetricCollection:
-    if multilabel:  # updated with probabilities and 0/1 targets
-        return MetricCollection({
-            "acc": MultilabelExactMatch(num_classes, threshold=threshold),  # what the shipped checkpoints monitor
-            "map": MultilabelAveragePrecision(num_classes, average="macro"),
-            "f1_macro": MultilabelF1Score(num_classes, threshold=threshold, average="macro"),
-            "f1_micro": MultilabelF1Score(num_classes, threshold=threshold, average="micro"),
-        }, prefix=f"{prefix}/")
-    metrics = {
-        "acc": MulticlassAccuracy(num_classes, average="micro"),
-        "f1_macro": MulticlassF1Score(num_classes, average="macro"),
-    }
-    if num_classes >= 5:
-        metrics["acc_top5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
-    return MetricCollection(metrics, prefix=f"{prefix}/")
-
-
-def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> v2.Transform | None:
-    """(images (B, C, H, W), labels (B,)) -> (mixed images, soft labels (B, num_classes)): mixup, CutMix or either.
-
-    torchvision's v2.MixUp and v2.CutMix draw from torch's global generator, which the run seeds per batch
-    (ExactResume), so a resumed run mixes its batches exactly as the uninterrupted one.
-    """
-    mixes = []
-    if mixup_alpha > 0:
-        mixes.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
-    if cutmix_alpha > 0:
-        mixes.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
-    if not mixes:
-        return None
-    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier, build_network
-from lightning_modules.classifier import batch_mix
+from lightning_modules.targets import batch_mix
 from tests.helpers import make_image_folder
 
 

@@ -1,0 +1,46 @@
+"""What the classifier trains on and is scored by: mixup/CutMix of training batches, and the metrics of a split."""
+
+from __future__ import annotations
+
+from torchmetrics import MetricCollection
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassF1Score,
+    MultilabelAveragePrecision,
+    MultilabelExactMatch,
+    MultilabelF1Score,
+)
+from torchvision.transforms import v2
+
+
+def split_metrics(num_classes: int, prefix: str, multilabel: bool = False, threshold: float = 0.5) -> MetricCollection:
+    if multilabel:  # updated with probabilities and 0/1 targets
+        return MetricCollection({
+            "acc": MultilabelExactMatch(num_classes, threshold=threshold),  # what the shipped checkpoints monitor
+            "map": MultilabelAveragePrecision(num_classes, average="macro"),
+            "f1_macro": MultilabelF1Score(num_classes, threshold=threshold, average="macro"),
+            "f1_micro": MultilabelF1Score(num_classes, threshold=threshold, average="micro"),
+        }, prefix=f"{prefix}/")
+    metrics = {
+        "acc": MulticlassAccuracy(num_classes, average="micro"),
+        "f1_macro": MulticlassF1Score(num_classes, average="macro"),
+    }
+    if num_classes >= 5:
+        metrics["acc_top5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+    return MetricCollection(metrics, prefix=f"{prefix}/")
+
+
+def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> v2.Transform | None:
+    """(images (B, C, H, W), labels (B,)) -> (mixed images, soft labels (B, num_classes)): mixup, CutMix or either.
+
+    torchvision's v2.MixUp and v2.CutMix draw from torch's global generator, which the run seeds per batch
+    (ExactResume), so a resumed run mixes its batches exactly as the uninterrupted one.
+    """
+    mixes = []
+    if mixup_alpha > 0:
+        mixes.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
+    if cutmix_alpha > 0:
+        mixes.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
+    if not mixes:
+        return None
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
