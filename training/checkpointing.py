@@ -139,16 +139,9 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
 
 
 class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
-    """Lightning's ModelCheckpoint, with `last.ckpt` written at every validation and shared with a best-k file.
-
-    - Lightning 2.6 writes last.ckpt only when it has just written a best-k file: after an epoch that does not
-      improve the monitored metric, last.ckpt still held an older epoch's state, and a resume redid that epoch.
-      Here `save_last: true` means the state at the end of every validation.
-    - When a best-k file was written at this very step, last.ckpt is a hard link to it instead of a second write of
-      the same state (308 MB for ResNet50 + AdamW). Lightning's `save_last: link` points last.ckpt at the newest file
-      the callback wrote even when that is an older epoch's; this links only a file of the same step. Linking needs
-      a CheckpointIO with `link_checkpoint` (this module's); with another, last.ckpt is written in full.
-    """
+    """Lightning's ModelCheckpoint, whose `last.ckpt` is the state at the end of every validation, a hard link to the
+    best-k file of the same step when there is one (why Lightning's own last.ckpt is not enough: docs/DESIGN.md,
+    "last.ckpt"). Linking needs a CheckpointIO with `link_checkpoint` (this module's); else last.ckpt is written."""
 
     # Lightning saves at the end of the training epoch when validation runs once per epoch (inside that epoch), else
     # at the end of each validation; last.ckpt follows in the same hook when nothing was saved at this step yet.

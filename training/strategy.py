@@ -128,9 +128,7 @@ class CompressedDDPStrategy(DDPStrategy):
     # ---- hook registration ----------------------------------------------------------------------------------
 
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers comm hooks only when root_device is CUDA (a leftover of NCCL-only hooks in torch 1.8).
-        # gloo runs these hooks on CPU, so registering them everywhere makes CPU runs and tests exercise the real
-        # compressed all-reduce instead of silently falling back to fp32.
+        # Registered on every device, so CPU runs compress too (docs/DISTRIBUTED.md, "Hooks on every device").
         self._build_hook_state()
         _register_ddp_comm_hook(
             model=self.model,
