@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.transforms.v2 import functional as TF
 
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 
 Sampling = Literal["random", "balanced"]  # data.sampler
+DataFormat = Literal["folder", "litdata"]  # data.format
 
 
 class _ArraySequence(Sequence):
@@ -207,6 +208,9 @@ class ImageFolderDataModule(L.LightningDataModule):
     Args:
         root: folder holding ``train/``, ``val/`` (optional: else ``val_split`` of train) and ``test/`` (optional).
             May be null for ``predict`` from a checkpoint, which carries the class names.
+        format: ``folder`` (image files) or ``litdata``: root is then a folder or an ``s3://`` URL of the LitData
+            shards that ``imgcls prepare-data`` wrote, streamed by LitData (datamodules/shards.py); the splits, class
+            names and bad-file scan come from that conversion, and the sampler is LitData's shuffle.
         batch_size: images per device and step; the global batch is world size x batch_size x accumulation.
         num_workers: loader processes per device; null chooses from the hardware (datamodules/hardware.py): one
             on a CPU-trained model, the node's CPUs shared by the GPUs (at most 8) on CUDA.
@@ -260,6 +264,7 @@ class ImageFolderDataModule(L.LightningDataModule):
     def __init__(
         self,
         root: str | None = "data/digits",
+        format: DataFormat = "folder",
         batch_size: int = 64,
         num_workers: int | None = None,
         val_split: float = 0.1,
@@ -295,7 +300,11 @@ class ImageFolderDataModule(L.LightningDataModule):
         for key in ("root", "predict_dir"):  # as strings: checkpoints load weights_only, which refuses Paths
             if isinstance(self.hparams[key], Path):
                 self.hparams[key] = str(self.hparams[key])
-        self.root = Path(root).expanduser() if root is not None else None
+        if format not in get_args(DataFormat):
+            raise ValueError(f"data.format={format!r} is unknown; choose {' or '.join(get_args(DataFormat))}")
+        self.format = format
+        # A litdata root stays a string, which LitData reads as given: Path would fold s3:// into s3:/.
+        self.root = (Path(root).expanduser() if format == "folder" else os.path.expanduser(root)) if root else None
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.val_split = val_split
@@ -332,10 +341,14 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.bad_images = bad_images
         self.scan_cache = scan_cache
         # Multi-label when train/ holds a labels.csv (path,labels rows) instead of class folders.
-        self.multilabel = self.root is not None and self.root.is_dir() and is_multilabel(self.root)
+        self.multilabel = isinstance(self.root, Path) and self.root.is_dir() and is_multilabel(self.root)
+        if format == "litdata" and (sampler == "balanced" or repeated_augmentation > 1):
+            raise ValueError("data.format=litdata draws with LitData's shuffle: set data.sampler: random and "
+                             "data.repeated_augmentation: 1")
         if self.multilabel and sampler == "balanced":
             raise ValueError(f"data.sampler=balanced weights each image by its class, and {self.root} is multi-label "
                              f"(train/{LABELS_CSV}); use data.sampler: random")
+        self.shard_counts: dict[str, int] | None = None  # data.format litdata: images per split of the shards
         # Class names are read now (a directory listing, cheap) so that the CLI can link them into the model.
         self.class_names: list[str] | None = self._read_class_names() if self.root is not None else None
         self.train_set = self.val_set = self.test_set = self.predict_set = None
@@ -345,6 +358,12 @@ class ImageFolderDataModule(L.LightningDataModule):
         return len(self.class_names) if self.class_names is not None else None
 
     def _read_class_names(self) -> list[str]:
+        if self.format == "litdata":  # what `imgcls prepare-data` wrote beside the shards
+            from datamodules.shards import read_meta  # imports LitData, which the folder format does without
+
+            meta = read_meta(self.root)
+            self.multilabel, self.shard_counts = meta["multilabel"], meta["counts"]
+            return meta["class_names"]
         if not self.root.is_dir():
             raise FileNotFoundError(f"data.root={self.root} does not exist; run `imgcls demo-data {self.root}` "
                                     "or point data.root at a folder with train/ and val/")
@@ -398,6 +417,9 @@ class ImageFolderDataModule(L.LightningDataModule):
             return
         if self.root is None:
             raise ValueError(f"data.root is required for {stage}; pass --data.root FOLDER")
+        if self.format == "litdata":  # splits made, and bad files left out, by `imgcls prepare-data`
+            self._setup_shards(stage, train_tf, eval_tf, train_read is read_encoded, read is read_encoded)
+            return
         if stage in ("fit", "validate") and self.train_set is None:  # built once: `fit` validates again at its end
             train, val = self._train_val_samples()
             train, val = self._drop_bad(train, val, folder=self.root, scan="train-val")  # one scan, one message
@@ -409,6 +431,20 @@ class ImageFolderDataModule(L.LightningDataModule):
                 raise FileNotFoundError(f"{test_dir} does not exist; `imgcls test` needs a test/ split")
             (test,) = self._drop_bad(self._split_samples(test_dir), folder=self.root, scan="test")
             self.test_set = ImageFiles(test, eval_tf, read)
+
+    def _setup_shards(self, stage: str, train_tf, eval_tf, train_encoded: bool, eval_encoded: bool) -> None:
+        from datamodules.shards import ShardImages, split_dir, training_split
+
+        if stage in ("fit", "validate") and self.train_set is None:
+            self.train_set = training_split(self.root, train_tf, encoded=train_encoded,
+                                            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), batch_size=self.batch_size,
+                                            world_size=self.trainer.world_size if self.trainer else 1,
+                                            count=self.shard_counts["train"])
+            self.val_set = ShardImages(split_dir(self.root, "val"), eval_tf, encoded=eval_encoded)
+        if stage == "test":
+            if "test" not in self.shard_counts:
+                raise FileNotFoundError(f"the shards at {self.root} have no test split; `imgcls test` needs one")
+            self.test_set = ShardImages(split_dir(self.root, "test"), eval_tf, encoded=eval_encoded)
 
     def _drop_bad(self, *splits: list, folder: Path, scan: str) -> list[list]:
         """Scan the samples of `splits` (paths or (path, target) pairs, below `folder`) once, on rank 0; raise on bad
@@ -454,6 +490,13 @@ class ImageFolderDataModule(L.LightningDataModule):
             samples.append((path, row))
         return samples
 
+    def split_samples(self) -> dict[str, list[tuple[str, int | np.ndarray]]]:
+        """(path, target) pairs of train, val (its folder, or val_split of train) and test if present, as fit and
+        test list them: what `imgcls prepare-data` converts."""
+        train, val = self._train_val_samples()
+        test = {"test": self._split_samples(self.root / "test")} if (self.root / "test").is_dir() else {}
+        return {"train": train, "val": val, **test}
+
     def _train_val_samples(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         train = self._split_samples(self.root / "train")
         if (self.root / "val").is_dir():
@@ -494,27 +537,31 @@ class ImageFolderDataModule(L.LightningDataModule):
                                                        trainer.num_devices if trainer is not None else 1)
             if shuffle:  # once per run, not once per loader
                 rank_zero_info(f"data.num_workers: {workers} per device ({why})")
-        # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
-        # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
-        loader_cls = StatefulDataLoader if shuffle else DataLoader
-        if sampler is not None:
-            shuffle = False  # the sampler orders the data
-        return loader_cls(
-            dataset,
+        common = dict(
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            drop_last=drop_last,
             num_workers=workers,
             pin_memory=on_cuda if self.pin_memory is None else self.pin_memory,
-            persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
             collate_fn=_collate_encoded if self.augment_on_device else _collate_images,
             worker_init_fn=(functools.partial(_worker_init, rank=trainer.global_rank if trainer else 0)
                             if workers else None),
         )
+        if isinstance(dataset, IterableDataset):  # LitData shards: the dataset orders and shares out its samples
+            from datamodules.shards import ShardLoader
+
+            return ShardLoader(dataset, epoch=(lambda: trainer.current_epoch) if trainer and shuffle else None,
+                               **common)
+        # The training loader is a StatefulDataLoader: its position (sampler order and samples yielded) goes into
+        # every checkpoint, so a mid-epoch resume neither repeats nor skips a sample of that epoch.
+        loader_cls = StatefulDataLoader if shuffle else DataLoader
+        if sampler is not None:
+            shuffle = False  # the sampler orders the data
+        return loader_cls(dataset, shuffle=shuffle, sampler=sampler, drop_last=drop_last,
+                          persistent_workers=self.persistent_workers and workers > 0, **common)
 
     def train_dataloader(self) -> DataLoader:
+        if self.format == "litdata":  # LitData shuffles, shares out and drops the last samples (shards.training_split)
+            return self._loader(self.train_set, shuffle=True)
         # drop_last keeps every step's batch (and so BatchNorm statistics and the LR scale) the same size, where each
         # process's shard holds more than one batch: a small dataset over many processes would otherwise train on
         # nothing at all (Lightning's DistributedSampler hands each process ceil(images / processes)).
@@ -545,7 +592,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         # Under DDP, Lightning's DistributedSampler pads val/test with repeated images so that every rank gets as
         # many; this sampler gives each image to exactly one rank, so the torchmetrics-synced val/acc is exact.
         trainer = self.trainer
-        if trainer is None or trainer.world_size == 1:
+        if trainer is None or trainer.world_size == 1 or isinstance(dataset, IterableDataset):  # LitData shares out
             return None
         return UnrepeatedDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
                                             shuffle=False)

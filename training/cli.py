@@ -51,6 +51,7 @@ from training.wandb_runs import WandbInstantiator, wandb_online
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
     "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
+    "prepare-data": ("datamodules.shards", "convert an image folder into LitData shards (data.format: litdata)"),
     "sweep": ("training.sweep", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
     "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
     "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
