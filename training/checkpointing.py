@@ -161,7 +161,9 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
     def _save_last_checkpoint(self, trainer, monitor_candidates: dict) -> None:
         io = trainer.strategy.checkpoint_io
         fresh = self._last_checkpoint_saved and self._last_global_step_saved == trainer.global_step
-        if self.save_last is not True or not fresh or not hasattr(io, "link_checkpoint"):
+        # A sharded checkpoint (a folder, training.fsdp) is written by the strategy, not by the CheckpointIO: in full.
+        sharded = fresh and Path(self._last_checkpoint_saved).is_dir()
+        if self.save_last is not True or not fresh or sharded or not hasattr(io, "link_checkpoint"):
             super()._save_last_checkpoint(trainer, monitor_candidates)
             return
         path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
@@ -225,8 +227,14 @@ def _fsync_dir(folder: Path) -> None:
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` is not a usable checkpoint (empty, truncated, corrupt), or None when it is intact.
 
-    torch.save writes a zip archive; checking every member's CRC finds truncation and bit rot without unpickling.
+    torch.save writes a zip archive; checking every member's CRC finds truncation and bit rot without unpickling. A
+    folder is a sharded checkpoint (training.fsdp): its shard index `.metadata` and its `meta.pt` must be intact.
     """
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            return "not a sharded checkpoint (no .metadata)"
+        problem = checkpoint_problem(path / "meta.pt")
+        return f"meta.pt: {problem}" if problem else None
     try:
         if path.stat().st_size == 0:
             return "empty file"
@@ -296,7 +304,7 @@ def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | list[Path], auto_resu
     if ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
         return ResumePlan(ckpt_path)
     path = Path(ckpt_path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"--ckpt_path {path} does not exist; use --ckpt_path last to resume the newest one")
     found, unusable = newest_intact_checkpoint(path.parent, first=path)
     if found is None:
@@ -320,7 +328,7 @@ def agree_on_resume(path: str | None) -> str | None:
     dist.all_gather_object(choices, path)
     agreed = choices[0]
     readable: list = [None] * dist.get_world_size()
-    dist.all_gather_object(readable, agreed is None or Path(agreed).is_file())
+    dist.all_gather_object(readable, agreed is None or Path(agreed).exists())  # a file, or a sharded folder
     blind = [rank for rank, ok in enumerate(readable) if not ok]
     if blind:
         raise FileNotFoundError(
@@ -333,8 +341,9 @@ def agree_on_resume(path: str | None) -> str | None:
     return agreed
 
 
-# A write that a kill interrupted leaves `.<name>.tmp<pid>` (AtomicCheckpointIO._replace): as big as a checkpoint.
-_TEMPORARY = re.compile(r"^\..+\.tmp\d+$")
+# A write that a kill interrupted leaves `.<name>.tmp<pid>` (AtomicCheckpointIO._replace; a folder from
+# training.fsdp, or its `.<name>.old<pid>` between two renames): as big as a checkpoint.
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old)\d+$")
 
 
 def tidy_checkpoint_folders(folders, unusable=()) -> None:
@@ -345,13 +354,16 @@ def tidy_checkpoint_folders(folders, unusable=()) -> None:
             os.replace(path, path.with_name(path.name + ".corrupt"))
             rank_zero_info(f"moved the unusable checkpoint {path} to {path.name}.corrupt")
     for folder in dict.fromkeys(Path(f) for f in folders if f):
-        leftovers = [p for p in folder.glob(".*.tmp*") if _TEMPORARY.match(p.name) and p.is_file()] \
-            if folder.is_dir() else []
+        leftovers = [p for p in folder.glob(".*") if _TEMPORARY.match(p.name)] if folder.is_dir() else []
         size = 0
         for leftover in leftovers:
             with contextlib.suppress(FileNotFoundError):
-                size += leftover.stat().st_size
-                leftover.unlink()
+                if leftover.is_dir():
+                    size += sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
+                    shutil.rmtree(leftover)
+                else:
+                    size += leftover.stat().st_size
+                    leftover.unlink()
         if leftovers:
             rank_zero_info(f"removed {len(leftovers)} temporary file(s) ({size / 2**20:.0f} MiB) left in {folder} by "
                            "checkpoint writes that were interrupted")

@@ -168,13 +168,13 @@ class ImgclsCLI(LightningCLI):
         # Read before validating: validate(ckpt_path=best) restores the callbacks' state as it was in that file.
         best, score, monitor = ckpt.best_model_path, ckpt.best_model_score, ckpt.monitor
         lasts = [c.last_model_path for c in trainer.checkpoint_callbacks
-                 if isinstance(c, ModelCheckpoint) and c.last_model_path and Path(c.last_model_path).is_file()]
+                 if isinstance(c, ModelCheckpoint) and c.last_model_path and Path(c.last_model_path).exists()]
         averaging = next((c for c in trainer.callbacks if isinstance(c, WeightAveraging)), None)
         if averaging is not None:
             rank_zero_info(f"{type(averaging).__name__}: validation ran with the averaged weights, and checkpoints "
                            "hold "
                            "them as their state_dict (the trained weights as current_model_state)")
-        if trainer.strategy.broadcast(bool(best) and Path(best).is_file()):
+        if trainer.strategy.broadcast(bool(best) and Path(best).exists()):  # a file, or a sharded folder
             trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
         rank_zero_info(closing_summary(trainer, best, score, monitor, lasts))
 

@@ -99,7 +99,7 @@ def closing_summary(trainer, best: str, score, monitor: str | None, lasts: list[
     folder_of_run = Path(trainer.default_root_dir)
     lines = [f"run directory   {relative_to_cwd(folder_of_run)}"]
     # Only files that exist: a user's ModelCheckpoint may monitor nothing, keep no last.ckpt, or save elsewhere.
-    if best and Path(best).is_file():
+    if best and Path(best).exists():  # a file, or a sharded checkpoint's folder
         scored = f" ({monitor} {format_score(score)})" if monitor else ""
         lines.append(f"best checkpoint {relative_to_cwd(best)}{scored}")
     if lasts:
