@@ -209,24 +209,25 @@ def test_powersgd_error_memory_follows_parameters_when_buckets_change(monkeypatc
     torch.testing.assert_close(saved["error"]["w1"], errors["w1"] + 30)  # after layout B's step
 
 
-def test_fsdp_config_builds_block_wrapped_fsdp_for_large_backbones():
-    """configs/fsdp.yaml over the 8-GPU config: resnet152, FSDP with one unit and checkpoint per Bottleneck block."""
+def test_fsdp_config_builds_block_sharded_fsdp2_for_large_backbones():
+    """configs/fsdp.yaml over the 8-GPU config: resnet152, FSDP2 with one unit and checkpoint per Bottleneck block
+    (tests/test_fsdp.py trains with it on 2 CPU processes)."""
     import yaml
-    from lightning.pytorch.strategies import FSDPStrategy
     from torchvision.models.resnet import Bottleneck
+
+    from training.fsdp import FSDP2Strategy
 
     proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
                    "--print_config", timeout=120)
     config = yaml.safe_load(proc.stdout)
     assert config["model"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
-    strategy_config = config["trainer"]["strategy"]
-    assert strategy_config["class_path"] == "lightning.pytorch.strategies.FSDPStrategy"
+    assert config["model"]["optimizer_impl"] == "foreach" and config["trainer"]["precision"] == "bf16-mixed"
+    assert config["trainer"]["strategy"]["class_path"] == "training.fsdp.FSDP2Strategy"
 
     strategy = _strategy_from_yaml((CONFIGS / "fsdp.yaml").read_text())
-    assert type(strategy) is FSDPStrategy
-    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
-    assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {Bottleneck}
-    assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "full"
+    assert type(strategy) is FSDP2Strategy
+    assert strategy.units == strategy.activation_checkpointing == (Bottleneck,)
+    assert strategy.reshard_after_forward and strategy.broadcast_buffers and strategy._save_distributed_checkpoint
 
 
 def test_powersgd_memories_survive_an_overflowed_step(master_port):
