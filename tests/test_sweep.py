@@ -200,15 +200,16 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
         proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 400
+        deadline, study = time.monotonic() + 400, None
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"the sweep ended before it could be interrupted:\n{log.read_text()[-3000:]}"
-            # Read the study only once the sweep has created it: two processes creating one fresh SQLite schema
-            # at once collide (optuna issue 1092).
-            if "trial(s) to run" in log.read_text():
-                states = [t.state for t in _trials(db, "grid3")]
-                if TrialState.COMPLETE in states and TrialState.RUNNING in states:
-                    break
+            # Open the study only once the sweep has created it (two processes creating one fresh SQLite schema at
+            # once collide: optuna issue 1092), and only once: an opening costs the sweep's two cores ~80 ms.
+            if study is None and "trial(s) to run" in log.read_text():
+                study = optuna.load_study(study_name="grid3", storage=f"sqlite:///{db}")
+            states = [t.state for t in study.get_trials(deepcopy=False)] if study else []
+            if TrialState.COMPLETE in states and TrialState.RUNNING in states:
+                break
             time.sleep(0.5)
         else:
             pytest.fail(f"no trial finished in time:\n{log.read_text()[-3000:]}")
