@@ -24,7 +24,7 @@ from torchvision.models import ResNet50_Weights
 from datamodules import hardware
 from lightning_modules import ImageClassifier
 from tests.distributed_probe import Probe
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, kill_args, make_image_folder, run_cli
 from training.strategy import CompressedDDPStrategy
 
 pytestmark = pytest.mark.slow
@@ -295,26 +295,47 @@ def test_torchrun_two_nodes_with_elastic_restart_resume(tmp_path, folder):
 
 
 def test_resume_on_another_world_size_rescales_the_learning_rate(tmp_path, folder):
-    """An elastic restart on fewer processes: a checkpoint of 2 ranks x 4 images resumed on 1 halves the global batch,
-    so the restored learning rates are halved (linear scaling), with one line saying so; and back up to 2."""
+    """Elastic restarts inside an epoch, 2 -> 1 -> 2 processes: each run is preempted mid-epoch (SIGTERM), and the
+    next resumes on the other world size. The learning rates follow the global batch (halved, then doubled), and the
+    epoch in progress restarts on the new shards, with one line saying how many samples are drawn again."""
     run = tmp_path / "run"
     common = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(folder),
-              "--data.batch_size", "4", "--trainer.precision", "32-true", "--trainer.limit_train_batches", "2",
-              "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+              "--data.batch_size", "4", "--trainer.precision", "32-true", "--trainer.limit_train_batches", "4",
+              "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0", "--trainer.max_epochs", "2",
               "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
-    run_cli(*common, "--trainer.devices", "2", "--trainer.max_epochs", "1",
-            env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
-    two = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
-    one = run_cli(*common, "--trainer.devices", "1", "--trainer.max_epochs", "2", "--ckpt_path", "last",
+    preempted = run / "checkpoints" / "preempted.ckpt"
+
+    def preempt_at(step: int) -> list[str]:
+        return [*kill_args(step, "train"), "--trainer.callbacks.sig", str(int(signal.SIGTERM))]
+
+    # 2 processes (3 batches of 4 per rank and epoch): SIGTERM after step 1; the ranks agree a step later and save at
+    # step 2, 2 batches x 2 ranks x 4 images into epoch 0.
+    first = run_cli(*common, "--trainer.devices", "2", *preempt_at(1), check=False,
+                    env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    two = torch.load(preempted, weights_only=True, map_location="cpu")
+    assert (two["global_step"], two["epoch"]) == (2, 0)
+    # 1 process (4 batches per epoch): epoch 0 restarts (16 samples drawn again); preempted after its first batch.
+    one = run_cli(*common, "--trainer.devices", "1", "--ckpt_path", "last", *preempt_at(3), check=False,
                   env=cli_env(), timeout=300)
-    assert "learning rates rescaled x0.5 (linear scaling" in one.stdout + one.stderr
-    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    out = one.stdout + one.stderr
+    assert one.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "learning rates rescaled x0.5 (linear scaling" in out
+    assert ("resuming on 1 processes, saved on 2 inside epoch 0, which restarts from its first batch on the new "
+            "shards: the 16 samples it had drawn before the checkpoint are drawn again, none is skipped") in out
+    resumed = torch.load(preempted, weights_only=True, map_location="cpu")
+    assert (resumed["global_step"], resumed["epoch"]) == (3, 0)
     assert resumed["lr_scale"] == pytest.approx(two["lr_scale"] / 2)
     initial = [g["initial_lr"] for g in resumed["optimizer_states"][0]["param_groups"]]
     assert initial == pytest.approx([g["initial_lr"] / 2 for g in two["optimizer_states"][0]["param_groups"]])
-    back = run_cli(*common, "--trainer.devices", "2", "--trainer.max_epochs", "3", "--ckpt_path", "last",
+    # 2 processes again: epoch 0 restarts (4 samples drawn again) and runs its 3 batches, then epoch 1: step 9.
+    back = run_cli(*common, "--trainer.devices", "2", "--ckpt_path", "last",
                    env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
-    assert "learning rates rescaled x2 (linear scaling" in back.stdout + back.stderr
+    out = back.stdout + back.stderr
+    assert "learning rates rescaled x2 (linear scaling" in out
+    assert "saved on 1 inside epoch 0, which restarts from its first batch on the new shards: the 4 samples" in out
+    final = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert (final["global_step"], final["epoch"]) == (3 + 3 + 3, 1)
 
 
 def test_a_dataset_smaller_than_a_batch_per_process_still_trains(tmp_path):

@@ -48,6 +48,7 @@ class ExactResume(Callback):
         self._world_size: int | None = None  # saved in checkpoints: a resume on another one cannot keep the position
         self._saved: dict = {}  # what the checkpoint resumed from holds of this callback's state
         self._grads: dict[str, torch.Tensor] | None = None  # the accumulated gradients it holds, if any
+        self._epoch_samples = 0  # samples the epoch in progress has drawn, over all ranks
         self._trainer: Trainer | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -56,7 +57,7 @@ class ExactResume(Callback):
         self._trainer = trainer
 
     def state_dict(self) -> dict:
-        state = {"world_size": self._world_size}
+        state = {"world_size": self._world_size, "epoch_samples": self._epoch_samples}
         if self._trainer is not None:
             # The step each ModelCheckpoint last saved at (Lightning keeps it only in memory): a resumed callback must
             # not save the step again that it has saved already. A save held back here counts with its own step.
@@ -90,21 +91,18 @@ class ExactResume(Callback):
         self._world_size = trainer.world_size
         if trainer.ckpt_path:
             self._restore_checkpoint_steps(trainer)
+        fit_loop = trainer.fit_loop
+        states = fit_loop._combined_loader_states_to_load
+        saved_world_size = self._saved.get("world_size")
+        if states and saved_world_size not in (None, trainer.world_size):
+            self._restart_epoch_on_new_shards(trainer, saved_world_size)
+            return
+        self._epoch_samples = self._saved.get("epoch_samples", 0)
         if self._grads:
             params = dict(pl_module.named_parameters())
             for name, grad in self._grads.items():  # the window resumes where it stopped: Lightning zeroes none
                 params[name].grad = grad.to(params[name].device, params[name].dtype)
             self._grads = None
-        fit_loop = trainer.fit_loop
-        states = fit_loop._combined_loader_states_to_load
-        saved_world_size = self._saved.get("world_size")
-        if states and saved_world_size not in (None, trainer.world_size):
-            # Another world size (an elastic restart): each rank's sampler shard differs, so no saved position maps
-            # onto the new ones. The epoch in progress restarts from its first batch.
-            rank_zero_info(f"resuming on {trainer.world_size} processes, saved on {saved_world_size}: the data "
-                           "position within the epoch cannot carry over; this epoch restarts from its first batch")
-            fit_loop._combined_loader_states_to_load = []
-            return
         if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
             return
         fit_loop._combined_loader._load_state_dicts(states)
@@ -120,6 +118,25 @@ class ExactResume(Callback):
                     for _ in loader:
                         pass
         iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
+
+    def _restart_epoch_on_new_shards(self, trainer: Trainer, saved_world_size: int) -> None:
+        """An elastic restart on another world size: each rank's shard of the epoch differs, so no saved loader
+        position maps onto the new ones. A checkpoint taken inside an epoch restarts that epoch from its first batch,
+        on the new shards: the samples it had drawn are drawn again (said in one line), none is skipped."""
+        fit_loop = trainer.fit_loop
+        fit_loop._combined_loader_states_to_load = []
+        progress = fit_loop.epoch_loop.batch_progress
+        repeated = self._saved.get("epoch_samples", 0)
+        if progress.is_last_batch or not repeated:
+            where, repeated = "at an epoch boundary: no sample is repeated", 0
+        else:
+            progress.current.reset()  # Lightning would end the epoch after its old count of batches: run it all
+            fit_loop.epoch_loop.reset_restart_stage()  # nor count the checkpoint's batch as done once more
+            self._grads = None  # an accumulation window of the old shards: it restarts with the epoch
+            where = (f"inside epoch {trainer.current_epoch}, which restarts from its first batch on the new shards: "
+                     f"the {repeated} samples it had drawn before the checkpoint are drawn again, none is skipped")
+        self._epoch_samples = 0
+        rank_zero_info(f"resuming on {trainer.world_size} processes, saved on {saved_world_size} {where}")
 
     def _restore_checkpoint_steps(self, trainer: Trainer) -> None:
         """Each ModelCheckpoint's last saved step as it was when the checkpoint resumed from was written; the callback
@@ -142,6 +159,7 @@ class ExactResume(Callback):
         if trainer.fit_loop._combined_loader is not None:
             for loader in trainer.fit_loop._combined_loader.flattened:
                 _set_sampler_epoch(loader, trainer.current_epoch)
+        self._epoch_samples = 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         # Per batch, not per optimizer step: under gradient accumulation each micro-batch draws its own dropout masks.
@@ -156,6 +174,7 @@ class ExactResume(Callback):
         # train_time_interval) at such a batch is deferred until that validation has ended, when the checkpoint holds
         # its results; epoch saves are untouched. (Callbacks run before every ModelCheckpoint, which skips a step it
         # believes saved; monitored ones already defer to the validation themselves.)
+        self._epoch_samples += len(batch[0]) * trainer.world_size  # (x, y[, seeds]); every rank draws a full batch
         self._flush_deferred(trainer, pl_module)
         epoch_loop = trainer.fit_loop.epoch_loop
         if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
@@ -310,7 +329,7 @@ def checkpoint_dir(trainer: Trainer) -> Path:
 def last_good_checkpoint(trainer: Trainer) -> str | None:
     """The newest file any ModelCheckpoint has written in this run (or restored from)."""
     paths = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
-             for p in (cb.last_model_path, cb.best_model_path, *cb.best_k_models) if p and Path(p).exists()]
+             for p in (cb.last_model_path, cb.best_model_path, *cb.best_k_models) if p and Path(p).is_file()]
     return max(paths, key=lambda p: Path(p).stat().st_mtime_ns) if paths else None
 
 
