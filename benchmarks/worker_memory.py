@@ -24,7 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common import standalone, table
-from datamodules.image_folder import ImageFiles, PathArray, _worker_init
+from datamodules.datasets import ImageFiles, PathArray
+from datamodules.samplers import worker_init
 
 TITLE = "Loader-worker memory"
 IMAGENET_TRAIN = 1_281_167
@@ -91,7 +92,7 @@ def epoch_growth(dataset: Dataset, batch: int, freeze: bool) -> dict:
 
 
 def _freeze(worker_id: int) -> None:
-    _worker_init(worker_id, rank=0)  # what the DataModule's loaders run at a worker's start: gc.freeze(), seeding
+    worker_init(worker_id, rank=0)  # what the DataModule's loaders run at a worker's start: gc.freeze(), seeding
 
 
 def storage(paths: list[str]) -> dict:
@@ -165,7 +166,7 @@ def render(result: dict) -> tuple[str, str]:
         f"ImageNet's {IMAGENET_TRAIN:,} images. Without gc.freeze() both grew {walk:.0f} MB more on average: the "
         "parent's Python heap (imports, model), copied page by page when the worker's garbage collector walks it, "
         "whatever the sample storage. The DataModule's loaders therefore freeze it at each worker's start "
-        "(`_worker_init` in datamodules/image_folder.py): the rows with gc.freeze() are what ships.\n"
+        "(`worker_init` in datamodules/samplers.py): the rows with gc.freeze() are what ships.\n"
     )
     stores = result["storage"]
     body += "\nWhere the paths live (shared by the workers, never copied):\n\n" + table(

@@ -174,3 +174,15 @@ def check_fast_decode(preset: str, fast_decode: bool) -> None:
 def _check_preset(preset: str) -> None:
     if preset not in PRESETS:
         raise ValueError(f"data.preset={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+
+
+def check_schedule(schedule: dict[int, int] | None, train_size: int) -> dict[int, int] | None:
+    """data.progressive_resizing, checked and sorted by epoch: {epoch: side}, each side within [32, train_size]."""
+    if not schedule:
+        return None
+    schedule = {int(epoch): int(side) for epoch, side in schedule.items()}
+    bad = {e: s for e, s in schedule.items() if e < 0 or not 32 <= s <= train_size}
+    if bad:
+        raise ValueError(f"data.progressive_resizing has entries {bad}: epochs must be >= 0 and sides between 32 and "
+                         f"data.train_image_size={train_size} (the loaders' crop size, which batches are resized from)")
+    return dict(sorted(schedule.items()))

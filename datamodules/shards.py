@@ -28,7 +28,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
-from datamodules.image_folder import ImageFolderDataModule, UnreadableImageError
+from datamodules.datasets import UnreadableImageError
+from datamodules.image_folder import ImageFolderDataModule
 from datamodules.images import load_rgb
 from datamodules.samplers import draw_seed
 

@@ -117,9 +117,8 @@ class ImageClassifier(L.LightningModule):
         compile: bool | Auto = False,
         optimizer_impl: OptimizerImpl = "auto",
     ) -> None:
-        values = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        check_arguments("model", ImageClassifier.__init__, locals())  # the annotated ranges and choices
         super().__init__()
-        check_arguments("model", ImageClassifier.__init__, values)  # the annotated ranges and choices
         if num_classes is None or num_classes < 2:
             raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
         if class_names is not None and len(class_names) != num_classes:

@@ -15,8 +15,8 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from PIL import Image
 
 from datamodules import ImageFolderDataModule
+from datamodules.datasets import ImageFiles, PredictImages
 from datamodules.demo import MANIFEST, build_demo_data
-from datamodules.image_folder import ImageFiles, PredictImages
 from datamodules.images import load_rgb
 from datamodules.presets import (
     IMAGENET_MEAN,

@@ -10,7 +10,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from datamodules import ImageFolderDataModule
-from datamodules.image_folder import stack_images
+from datamodules.datasets import stack_images
 from datamodules.images import decode_for_crop, load_rgb, read_encoded, read_image
 from datamodules.presets import (
     PRESETS,

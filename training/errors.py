@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from datamodules.image_folder import UnreadableImageError
+from datamodules.datasets import UnreadableImageError
 from training.checkpointing import CheckpointWriteError, UnsafeCheckpointError
 from training.faults import NonFiniteLossError, lost_peer_message
 
