@@ -14,7 +14,13 @@ import torch.multiprocessing as mp
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from tests.helpers import free_port, make_image_folder
-from training.checkpointing import ModelCheckpoint, checkpoint_problem, resolve_resume, tidy_checkpoint_folders
+from training.checkpointing import (
+    ModelCheckpoint,
+    NonFiniteWeightsError,
+    checkpoint_problem,
+    resolve_resume,
+    tidy_checkpoint_folders,
+)
 from training.faults import fault_callbacks
 from training.fsdp import FSDP2Strategy
 from training.strategy import CompressedDDPStrategy
@@ -70,6 +76,32 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=error):
             trainer.fit(model, datamodule=ImageFolderDataModule(str(root), batch_size=2, num_workers=0,
                                                                 image_size=32))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_sharded_checkpoint_is_renamed_into_place_and_never_holds_nan(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    root = make_image_folder(tmp_path / "images", {"a": 2, "b": 2}, size=32)
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, batch_size=2, optimizer_impl="foreach",
+                            channels_last=False)
+    strategy = FSDP2Strategy(units=["torchvision.models.resnet.BasicBlock"])
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule=ImageFolderDataModule(str(root), batch_size=2, num_workers=0, image_size=32))
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    for _ in range(2):  # a new folder, then one replacing it
+        trainer.save_checkpoint(path)
+        assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary or old folder left
+        assert checkpoint_problem(path) is None and (path / "__0_0.distcp").is_file()
+    before = (path / ".metadata").stat().st_mtime_ns
+    with torch.no_grad():
+        model.net.fc.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteWeightsError, match=r"not writing .*last.ckpt: weight tensor\(s\) hold NaN \(first "
+                                                    r"on this rank: net.fc.weight\)"):
+        trainer.save_checkpoint(path)
+    assert (path / ".metadata").stat().st_mtime_ns == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
     torch.distributed.destroy_process_group()
 
 
