@@ -29,7 +29,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 # The sections of docs/PERFORMANCE.md, in order: each a module benchmarks/<name>.py and a file results/<name>.json.
 SECTIONS = ("hardware", "input_pipeline", "scan_cache", "worker_memory", "loop_overhead", "compute_levers",
-            "distributed", "time_to_accuracy", "recipe", "gpu_throughput")
+            "distributed", "fsdp_memory", "time_to_accuracy", "recipe", "gpu_throughput")
 MARKER = re.compile(r"<!-- figure: ([\w.]+) -->(.*?)<!-- /figure -->", re.S)
 OPENING = "<!-- figure:"
 # Measured figures, by their units: a ratio (2.06x), a rate, a time in ms or minutes, a size, a decimal percentage.

@@ -131,7 +131,6 @@ class FSDP2Strategy(ModelParallelStrategy):
                 old.unlink(missing_ok=True)
         self.barrier()
 
-
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         module = self.lightning_module
         if module.trainer.state.fn != TrainerFn.FITTING:
@@ -145,9 +144,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
             return super().load_checkpoint(path, weights_only)
-        # The optimizer state read from a sharded checkpoint is that of the parameters needing a gradient now (torch
-        # builds the target state by a zero-gradient step). A backbone frozen at the start of a fit that resumes after
-        # its thaw would lose its momentum: while loading, every parameter with a saved state needs a gradient.
+        # torch reads the optimizer state of the parameters that need a gradient now: a fit resumed after the
+        # backbone's thaw starts with it frozen, and would drop its momentum. While loading, all saved ones need one.
         keys = FileSystemReader(path).read_metadata().state_dict_metadata  # optimizer_0.state.<name>.momentum_buffer
         saved = {m.group(1) for key in keys if (m := re.match(r"optimizer_\d+\.state\.(.+)\.[^.]+$", key))}
         thawed = [p for name, p in module.named_parameters() if name in saved and not p.requires_grad]
