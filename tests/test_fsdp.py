@@ -21,8 +21,9 @@ from training.checkpointing import (
     resolve_resume,
     tidy_checkpoint_folders,
 )
+from training.export import load_for_export
 from training.faults import fault_callbacks
-from training.fsdp import FSDP2Strategy
+from training.fsdp import FSDP2Strategy, consolidate
 from training.strategy import CompressedDDPStrategy
 
 BLOCK = "torchvision.models.resnet.Bottleneck"
@@ -94,6 +95,12 @@ def test_a_sharded_checkpoint_is_renamed_into_place_and_never_holds_nan(tmp_path
         trainer.save_checkpoint(path)
         assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary or old folder left
         assert checkpoint_problem(path) is None and (path / "__0_0.distcp").is_file()
+    # One file of it, for predict and export (which refuses the folder, naming this command): the same weights.
+    with pytest.raises(ValueError, match=f"is a sharded checkpoint .*: python -m training.fsdp {path} "):
+        load_for_export(path)
+    single, _ = load_for_export(consolidate(path, tmp_path / "last-full.ckpt"))
+    whole = _full_state(model)
+    assert all(torch.equal(t, whole[name]) for name, t in _full_state(single).items())
     before = (path / ".metadata").stat().st_mtime_ns
     with torch.no_grad():
         model.net.fc.weight.fill_(float("nan"))

@@ -27,6 +27,9 @@ FORMATS = ("onnx", "torchscript")
 def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
     """The model in eval mode on the CPU, fp32, and the data hyperparameters it was trained with."""
     ckpt_path = Path(ckpt_path)
+    if ckpt_path.is_dir():  # written by training.fsdp.FSDP2Strategy
+        raise ValueError(f"--ckpt_path {ckpt_path} is a sharded checkpoint (a folder); make one file of it first: "
+                         f"python -m training.fsdp {ckpt_path} {ckpt_path.with_name(ckpt_path.stem + '-full.ckpt')}")
     if not ckpt_path.is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
     # weights=None: the checkpoint holds every weight, so the pretrained ones it was fine-tuned from (model.weights)

@@ -2,6 +2,7 @@
 sharded across the processes, on GPUs (NCCL) and on CPUs (gloo), with atomic sharded checkpoints.
 
     imgcls fit --config configs/imagenet_ddp8.yaml --config configs/fsdp.yaml --data.root /datasets/my_images
+    python -m training.fsdp runs/x/checkpoints/last.ckpt last-full.ckpt   # one file, for predict and export
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import importlib
 import os
 import re
 import shutil
+import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from training.checkpointing import NonFiniteWeightsError, _fsync_dir
+from training.checkpointing import AtomicCheckpointIO, NonFiniteWeightsError, _fsync_dir, checkpoint_problem, safe_load
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -234,3 +238,27 @@ def _classes(paths: list[str], key: str) -> tuple[type[nn.Module], ...]:
         raise ValueError(f"trainer.strategy.{key}: {path!r} is not an importable torch.nn.Module class (give its "
                          "import path, e.g. torchvision.models.resnet.Bottleneck)")
     return tuple(found)
+
+
+def consolidate(folder, out) -> Path:
+    """One ordinary checkpoint file from a sharded one (a folder): the whole weights and everything else but the
+    optimizer state, which is keyed by parameter name there and fits no unsharded optimizer. For predict, export and
+    `load_from_checkpoint`, which read one file."""
+    folder, out = Path(folder), Path(out)
+    problem = checkpoint_problem(folder) if folder.is_dir() else "not a folder"
+    if problem:
+        raise ValueError(f"{folder} is not a sharded checkpoint: {problem}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        dcp_to_torch_save(folder, Path(tmp) / "all.pt")  # (torch's converter) every rank's shards, joined
+        weights = safe_load(Path(tmp) / "all.pt")["state_dict"]
+    checkpoint = safe_load(folder / "meta.pt")
+    checkpoint["state_dict"] = weights
+    AtomicCheckpointIO().save_checkpoint(checkpoint, out)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m training.fsdp SHARDED_CHECKPOINT_FOLDER OUT.ckpt")
+    print(f"wrote {consolidate(sys.argv[1], sys.argv[2])}")
