@@ -141,7 +141,10 @@ class ShardImages(StreamingDataset):
 
     def __init__(self, input_dir: str, transform: Callable | None, *, encoded: bool = False, train: bool = False,
                  seed: int = 0, drop_last: bool = False) -> None:
-        super().__init__(input_dir, shuffle=train, drop_last=drop_last if train else None, seed=seed)
+        # One sample decoded at a time (LitData's "auto" decodes blocks of 256 of our dicts, each again for every few
+        # samples read); so the order within a chunk can be a full permutation at no cost.
+        super().__init__(input_dir, shuffle=train, drop_last=drop_last if train else None, seed=seed, batch_decode=0,
+                         item_shuffle_window=0)
         if not train:  # evaluation: each image once, ranks uneven (the metrics sync at the epoch's end)
             self.set_drop_last(False)  # after __init__: LitData warns when DDP is given drop_last=False
         if train and self.posix_fast is not None and self.posix_fast.window_shuffle:
