@@ -329,7 +329,7 @@ def checkpoint_dir(trainer: Trainer) -> Path:
 def last_good_checkpoint(trainer: Trainer) -> str | None:
     """The newest file any ModelCheckpoint has written in this run (or restored from)."""
     paths = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
-             for p in (cb.last_model_path, cb.best_model_path, *cb.best_k_models) if p and Path(p).is_file()]
+             for p in (cb.last_model_path, cb.best_model_path, *cb.best_k_models) if p and Path(p).exists()]
     return max(paths, key=lambda p: Path(p).stat().st_mtime_ns) if paths else None
 
 
