@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 # The sections of docs/PERFORMANCE.md, in order: each a module benchmarks/<name>.py and a file results/<name>.json.
-SECTIONS = ("hardware", "input_pipeline", "scan_cache", "worker_memory", "loop_overhead", "compute_levers",
+SECTIONS = ("hardware", "input_pipeline", "shards", "scan_cache", "worker_memory", "loop_overhead", "compute_levers",
             "distributed", "fsdp_memory", "time_to_accuracy", "recipe", "gpu_throughput")
 MARKER = re.compile(r"<!-- figure: ([\w.]+) -->(.*?)<!-- /figure -->", re.S)
 OPENING = "<!-- figure:"
