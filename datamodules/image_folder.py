@@ -327,9 +327,9 @@ class ImageFolderDataModule(DeviceBatches):
                                                        trainer.num_devices if trainer is not None else 1)
             if shuffle:  # once per run, not once per loader
                 rank_zero_info(f"data.num_workers: {workers} per device ({why})")
-        common = dict(
-            batch_size=self.batch_size,
-            num_workers=workers,
+        common = dict(  # plain ints: the loaders keep them in their state, which checkpoints load weights_only
+            batch_size=int(self.batch_size),
+            num_workers=int(workers),
             pin_memory=on_cuda if self.pin_memory is None else self.pin_memory,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
             collate_fn=collate_encoded if self.augment_on_device else collate_images,
