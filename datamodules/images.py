@@ -142,7 +142,9 @@ def read_encoded(path: str) -> torch.Tensor:
     the input pipeline, and nvJPEG does it on the GPU. Other formats are decoded here (nvJPEG reads only JPEG).
     """
     if path.lower().endswith((".jpg", ".jpeg")):
-        return read_file(path)
+        # Not torchvision's read_file: its tensor maps the file, and a loader worker cannot send a mapped tensor to the
+        # main process (OSError: bad file descriptor, then the loader waits forever).
+        return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
     return read_image(path)
 
 

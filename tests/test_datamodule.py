@@ -247,3 +247,18 @@ def test_class_folders_may_nest_and_hidden_folders_are_no_class(tmp_path):
     assert dm.class_names == ["a", "b"]
     paths = [path for path, _ in dm.train_set.samples] + [path for path, _ in dm.val_set.samples]
     assert len(paths) == 7 and str(root / "train" / "a" / "more" / "deeper" / "x.png") in paths
+
+
+@pytest.mark.timeout(120)
+def test_augment_on_device_batches_come_from_loader_workers(tmp_path):
+    """augment_on_device: a loader worker reads the JPEG files and sends their bytes; the batch is then decoded and
+    augmented in this process. torchvision's read_file gave file-mapped tensors, which a worker cannot send: the
+    loader waited forever."""
+    root = make_image_folder(tmp_path, {"a": 4, "b": 4}, splits=("train", "val"), size=48, ext=".jpg")
+    dm = ImageFolderDataModule(str(root), batch_size=4, num_workers=1, image_size=32, preset="imagenet",
+                               augment_on_device=True, persistent_workers=False, scan_cache=False)
+    dm.setup("fit")
+    x, y, *_ = next(iter(dm.train_dataloader()))
+    assert isinstance(x, list) and len(x) == 4 and all(item.dtype == torch.uint8 for item in x)
+    batch = dm.augment_batch(x, "cpu", train=True, seed=0)
+    assert batch.shape == (4, 3, 32, 32) and y.shape == (4,)
