@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.multiprocessing as mp
 from PIL import Image
 
 from datamodules import hardware
@@ -146,3 +149,40 @@ def standalone(name: str, doc: str) -> None:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs (kept under runs/)")
     run.main(parser.parse_args().quick, only=(name,))
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread, as in a loader worker (DataLoader sets that): figures per core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_forked(module: str, worker: Callable, nprocs: int, args: Callable[[int, str], tuple]):
+    """Run `worker(rank, *args(port, out))` in `nprocs` processes and return what they saved to `out`.
+
+    The processes are forked from a server that imported `module` (torch, Lightning) once: spawned, each would
+    import them again, ~6 s of CPU apiece. The server has run nothing, so a fork inherits no threads.
+    """
+    multiprocessing.set_forkserver_preload([module])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.pt")
+        for attempt in range(3):  # a port found free can be taken by another program before gloo binds it
+            try:
+                mp.start_processes(worker, args=args(free_port(), out), nprocs=nprocs, join=True,
+                                   start_method="forkserver")
+                break
+            except mp.ProcessExitedException:
+                if attempt == 2:
+                    raise
+        return torch.load(out, weights_only=True)

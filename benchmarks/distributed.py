@@ -9,9 +9,7 @@ processes.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,12 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import standalone, table
+from benchmarks.common import free_port, run_forked, standalone, table
 from lightning_modules.network import build_network
 from training.strategy import COMPRESSIONS, build_comm_hook
 
@@ -136,26 +133,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], out: str) -> Non
 
 def run_jobs(world: int, jobs: list[dict]) -> list[dict]:
     """Run each job (one model per compression mode) in `world` gloo processes; rank 0's figures."""
-    # The processes are forked from a server that imported this module (torch, Lightning) once: spawned, each would
-    # import them again, ~6 s of CPU apiece. The server has run nothing, so a fork inherits no threads.
-    multiprocessing.set_forkserver_preload(["benchmarks.distributed"])
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.pt")
-        for attempt in range(3):  # a port found free can be taken by another program before gloo binds it
-            try:
-                mp.start_processes(_worker, args=(world, _free_port(), jobs, out), nprocs=world, join=True,
-                                   start_method="forkserver")
-                break
-            except mp.ProcessExitedException:
-                if attempt == 2:
-                    raise
-        return torch.load(out, weights_only=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return run_forked("benchmarks.distributed", _worker, world, lambda port, out: (world, port, jobs, out))
 
 
 def _fit_two_processes(compression: str, data: str, run: Path, epochs: int) -> Path:
@@ -167,14 +145,14 @@ def _fit_two_processes(compression: str, data: str, run: Path, epochs: int) -> P
            "--trainer.enable_model_summary", "false",
            "--trainer.strategy=training.strategy.CompressedDDPStrategy",
            f"--trainer.strategy.compression={compression}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     last = run / "checkpoints" / "last.ckpt"
     for attempt in range(2):  # one retry: a rank can die at exit ("terminate called ...") after training
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if last.is_file() and (proc.returncode == 0 or attempt == 1):
             break
-        env["MASTER_PORT"] = str(_free_port())
+        env["MASTER_PORT"] = str(free_port())
     if proc.returncode != 0:
         print(f"{compression}: imgcls exited {proc.returncode}: {proc.stderr[-2000:]}", file=sys.stderr)
     return last

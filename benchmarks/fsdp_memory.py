@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
 import os
-import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from benchmarks.common import standalone, table
+from benchmarks.common import run_forked, standalone, table
 from lightning_modules.network import build_network
 from training.fsdp import shard
 
@@ -124,24 +120,7 @@ def _worker(rank: int, port: int, jobs: list[dict], out: str) -> None:
 def run(jobs: list[dict]) -> list[list[dict]]:
     """The jobs one after the other in WORLD fresh gloo processes; each job's figures, per rank. A peak is the
     job's own only when it ran alone (or after smaller ones) in its processes."""
-    multiprocessing.set_forkserver_preload(["benchmarks.fsdp_memory"])
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.pt")
-        for attempt in range(3):  # a port found free can be taken by another program before gloo binds it
-            try:
-                mp.start_processes(_worker, args=(_free_port(), jobs, out), nprocs=WORLD, join=True,
-                                   start_method="forkserver")
-                break
-            except mp.ProcessExitedException:
-                if attempt == 2:
-                    raise
-        return torch.load(out, weights_only=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return run_forked("benchmarks.fsdp_memory", _worker, WORLD, lambda port, out: (port, jobs, out))
 
 
 def main(quick: bool = False) -> dict:

@@ -13,7 +13,6 @@ import math
 import time
 from collections.abc import Callable
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets
 from torchvision import transforms as T
@@ -24,6 +23,7 @@ from benchmarks.common import (
     interleaved,
     lap_times,
     mean_jpeg_kb,
+    one_torch_thread,
     photo_folder,
     standalone,
     table,
@@ -133,12 +133,8 @@ def main(quick: bool = False) -> dict:
     # (DataLoader sets that), so images/s is per core.
     one = {name: (lambda m=make, a=after: per_image_laps(m, a, batches))
            for name, (make, after) in loaders(root, size, batch, 0).items()}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         t1 = interleaved(one, reps)
-    finally:
-        torch.set_num_threads(threads)
     # All cores: worker processes; the first batches (worker start-up, first prefetch) are not counted.
     workers = cores()
     multi = loaders(root, size, batch, workers)

@@ -20,10 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.common import cores, interleaved, mean_jpeg_kb, photo_folder, standalone, table
+from benchmarks.common import cores, interleaved, mean_jpeg_kb, one_torch_thread, photo_folder, standalone, table
 from benchmarks.input_pipeline import per_image_with_workers
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import ScanCache
@@ -81,12 +80,8 @@ def main(quick: bool = False) -> dict:
         # that it outlasts the scheduler's hiccups.
         one = {name: (lambda m=make, n=None if "read only" in name else 1: per_image_after_one(m, n))
                for name, make in loaders(folder, shards, size, batch, 0).items()}
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_torch_thread():
             t1 = interleaved(one, reps)
-        finally:
-            torch.set_num_threads(threads)
         # Worker processes: the first batches (start-up, first prefetch) are not counted. Not the folder's read-only
         # loader: its workers hang sending torchvision's read_file tensors (memory-mapped, no file descriptor to share).
         multi = loaders(folder, shards, size, batch, workers)

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,19 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
     if check:
         assert proc.returncode == 0, f"imgcls {' '.join(args)} exited {proc.returncode}\n{out[-4000:]}\n{err[-6000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def join_ranks(ranks, timeout_s: float, what: str) -> None:
+    """Wait for torch.multiprocessing's `ranks` (start_processes, join=False): a rank's exception is raised here with
+    its traceback; past `timeout_s` the test fails naming `what`, and every rank left is killed."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ranks.join(timeout=2):
+            assert time.monotonic() < deadline, f"{what} did not finish within {timeout_s:.0f} s"
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
 
 
 def kill_args(step: int, where: str, rank: int | None = None) -> list[str]:

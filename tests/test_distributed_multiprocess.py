@@ -24,7 +24,7 @@ from torchvision.models import ResNet50_Weights
 from datamodules import hardware
 from lightning_modules import ImageClassifier
 from tests.distributed_probe import Probe
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, kill_args, make_image_folder, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, join_ranks, kill_args, make_image_folder, run_cli
 from training.strategy import CompressedDDPStrategy
 
 pytestmark = pytest.mark.slow
@@ -171,14 +171,7 @@ def test_post_local_sgd_ranks_drift_apart_between_averagings_and_agree_after_eac
     out = tmp_path / "probe"
     ranks = mp.start_processes(_post_local_sgd_rank, args=(free_port(), str(out)), nprocs=2, join=False,
                                start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ranks.join(timeout=2):  # a rank's exception is raised here, with its traceback
-            assert time.monotonic() < deadline, "the 2 post-local SGD ranks did not finish within 120 s"
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
+    join_ranks(ranks, 120, "the 2 post-local SGD ranks")  # a rank's exception is raised here
     r0, r1 = _records(out, 2)
     assert r0["comm_hook"] == r1["comm_hook"] == "post_localSGD_hook"
     same = [a == b for a, b in zip(r0["step_digests"], r1["step_digests"], strict=True)]

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from tests.helpers import free_port, make_image_folder
+from tests.helpers import free_port, join_ranks, make_image_folder
 from training.checkpointing import (
     ModelCheckpoint,
     NonFiniteWeightsError,
@@ -170,14 +170,7 @@ def test_fsdp2_on_two_cpu_processes_shards_equals_ddp_and_resumes_exactly(tmp_pa
     out = tmp_path / "out"
     ranks = mp.start_processes(_rank, args=(free_port(), str(root), str(out)), nprocs=2, join=False,
                                start_method="spawn")
-    deadline = time.monotonic() + 300
-    try:
-        while not ranks.join(timeout=2):  # a rank's exception is raised here, with its traceback
-            assert time.monotonic() < deadline, "the 2 FSDP ranks did not finish within 300 s"
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
+    join_ranks(ranks, 300, "the 2 FSDP ranks")  # a rank's exception is raised here
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))
     print("seconds per fit (rank 0):", r0["seconds"], "largest difference from DDP:", r0["ddp_max_diff"])
 
