@@ -5,7 +5,8 @@ the callback does), so that tests of the sweep process run in seconds.
     python -m tests.sweep_fake_trial fit ... --model.lr=0.01 ... --trainer.default_root_dir=<run dir>
 
 Two epochs of half a second each, val/acc = lr * epoch; a trial whose number is in $FAKE_TRIAL_PRUNE (comma-separated)
-is pruned after its first epoch.
+is pruned after its first epoch. With $FAKE_TRIAL_MEET=N, trials 0 to N-1 start their epochs only once N trials are
+running (or after 60 s), so that a test of concurrent workers does not depend on how fast processes start.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def main(argv: list[str]) -> None:
                               pruner=make_pruner(spec["hyperband"]))
     trial = optuna.trial.Trial(study, spec["trial_id"])
     prune = str(trial.number) in os.environ.get("FAKE_TRIAL_PRUNE", "").split(",")
+    meet = int(os.environ.get("FAKE_TRIAL_MEET", 0))  # trials numbered below it wait (60 s at most) until that many run
+    deadline = time.monotonic() + 60
+    while trial.number < meet and time.monotonic() < deadline and sum(
+            t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False)) < meet:
+        time.sleep(0.1)
     for key, value in ((INTERMEDIATE_KEY, {}), (PRUNED_KEY, False)):
         trial.storage.set_trial_system_attr(trial._trial_id, key, value)
     for epoch in range(2):

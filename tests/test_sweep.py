@@ -307,6 +307,7 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
                        parameters={"model.lr": {"distribution": "log_uniform_values", "min": 0.005, "max": 0.05}},
                        early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3})
     _fake_trials(monkeypatch, prune="1")
+    monkeypatch.setenv("FAKE_TRIAL_MEET", "2")  # the first two overlap however slowly the processes start
     url, out = f"journal:///{tmp_path / 'sweep.journal'}", tmp_path / "sweep"
     sweep_main(["--config", str(path), "--out", str(out), "--workers", "2", "--seed", "0", "--storage", url])
     trials = optuna.load_study(study_name="journal2", storage=open_storage(url)).trials
