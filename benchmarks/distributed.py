@@ -164,18 +164,18 @@ def held_out_correct(run: Path) -> tuple[int, int]:
     Both splits are held out: last.ckpt is the final epoch's weights, not a checkpoint picked by val/acc. The data
     and precision settings are the run's own (`<run>/config.yaml`), so the images look as they did in training.
     """
-    import lightning as L
     import yaml
 
     from datamodules import ImageFolderDataModule
     from lightning_modules import ImageClassifier
+    from training.trainer import Trainer  # resolves the config's `precision: auto` as the run did
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     data = ImageFolderDataModule(**{**config["data"], "num_workers": 0})
     model = ImageClassifier.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu",
                                                  weights_only=True)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision=config["trainer"]["precision"], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(accelerator="cpu", devices=1, precision=config["trainer"]["precision"], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
     val_acc = trainer.validate(model, datamodule=data, verbose=False)[0]["val/acc"]
     test_acc = trainer.test(model, datamodule=data, verbose=False)[0]["test/acc"]
     n_val, n_test = len(data.val_set), len(data.test_set)
