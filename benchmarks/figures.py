@@ -32,6 +32,9 @@ SECTIONS = ("hardware", "input_pipeline", "shards", "scan_cache", "worker_memory
             "distributed", "fsdp_memory", "time_to_accuracy", "recipe", "gpu_throughput")
 MARKER = re.compile(r"<!-- figure: ([\w.]+) -->(.*?)<!-- /figure -->", re.S)
 OPENING = "<!-- figure:"
+CODE = re.compile(r"`[^`\n]*`")  # inline code: a marker written there is shown, not filled in
+# A code span or a marker, whichever starts first: a marker's own text may hold code spans (a table's options).
+TOKEN = re.compile(f"({CODE.pattern})|{MARKER.pattern}", re.S)
 # Measured figures, by their units: a ratio (2.06x), a rate, a time in ms or minutes, a size, a decimal percentage.
 MEASURED = re.compile(r"(?<![\w.])~?\d[\d,]*(\.\d+)?(x\b| ?(img/s|steps/s|ms\b|min\b|MiB|GiB|MB\b|GB\b))|\d\.\d+ ?%")
 
@@ -129,18 +132,21 @@ def figures(runs: dict[str, dict]) -> dict[str, str]:
 
 def quote(text: str, known: dict[str, str], where: str) -> str:
     """`text` with each marked figure replaced by its value in `known`; a key it lacks is an error naming it."""
-    if text.count(OPENING) != len(MARKER.findall(text)):
+    # Left over once code spans and whole markers are taken out, or inside a marker's text: an opening not closed.
+    if OPENING in TOKEN.sub("", text) or any(OPENING in (m.group(3) or "") for m in TOKEN.finditer(text)):
         raise ValueError(f"{where}: a '{OPENING} KEY -->' marker without its '<!-- /figure -->'")
 
     def replace(match: re.Match) -> str:
-        key = match.group(1)
+        if match.group(1) is not None:
+            return match.group(1)
+        key = match.group(2)
         if key not in known:
             name = key.split(".")[0]
             raise KeyError(f"{where}: the marker names {key!r}, which no file in benchmarks/results/ provides; "
                            f"{name!r} has: {', '.join(k for k in known if k.startswith(name + '.')) or 'nothing'}")
         return f"<!-- figure: {key} -->{known[key]}<!-- /figure -->"
 
-    return MARKER.sub(replace, text)
+    return TOKEN.sub(replace, text)
 
 
 def unmarked(text: str) -> list[str]:
