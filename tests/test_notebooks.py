@@ -27,9 +27,11 @@ def test_notebook_is_stored_without_outputs(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_top_to_bottom(path, monkeypatch):
-    # The kernel inherits this environment: one thread each, this checkout first, the notebook's own demo data.
+def test_notebook_runs_top_to_bottom(path, monkeypatch, tmp_path):
+    # The kernel inherits this environment: one thread each, this checkout first, the notebook's own demo data and
+    # sweep, built in this test's folder (pytest removes it), not under runs/notebooks/.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("IMGCLS_WORK", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for var in ("IMGCLS_DATA", "IMGCLS_SWEEP"):
         monkeypatch.delenv(var, raising=False)
@@ -40,3 +42,4 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch):
     assert not errors
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 3  # every section drew its figure
+    assert any(tmp_path.iterdir())  # its demo data went to IMGCLS_WORK, not to a temporary folder left behind
