@@ -174,3 +174,38 @@ def test_production_config_runs_one_batch_on_cpu(tmp_path):
     # precision: auto resolves from this CPU (32-true without native bf16, bf16-mixed with it), and says why.
     expected, why = hardware.choose_precision(hardware.detect(), "cpu")
     assert f"precision: {expected} ({why})" in proc.stderr + proc.stdout
+
+
+STARTUP_PROBE = """
+import gc, runpy, sys
+from training import startup
+sys.argv = ["imgcls", "fit", "--config", "configs/quickstart.yaml", "--print_config"]
+for entry in ("python -m training.cli", "imgcls"):
+    gc.unfreeze()
+    try:
+        if entry == "imgcls":
+            startup.main()
+        else:
+            runpy.run_module("training.cli", run_name="__main__")
+    except SystemExit as done:
+        assert done.code in (None, 0), done.code
+    print(f"{entry}: {gc.get_freeze_count()} frozen, collector {'on' if gc.isenabled() else 'off'}", file=sys.stderr)
+"""
+
+
+def test_both_entry_points_freeze_their_imports_and_run_with_the_collector_on():
+    """`imgcls` and `python -m training.cli` import with the cyclic collector off, freeze what the imports built,
+    and run the command with the collector back on (training/startup.py). The probe runs each entry in one fresh
+    interpreter, so this process's objects stay unfrozen."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", STARTUP_PROBE], cwd=CONFIGS.parent, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer:" in proc.stdout  # each entry ran the command
+    found = dict(line.split(": ", 1) for line in proc.stderr.splitlines() if line.startswith(("python -m", "imgcls:")))
+    assert set(found) == {"python -m training.cli", "imgcls"}, proc.stderr[-3000:]
+    for entry, state in found.items():
+        count, collector = state.split(" frozen, collector ")
+        assert int(count) > 100_000 and collector == "on", (entry, state)

@@ -16,6 +16,11 @@ The run directory and the closing summary are in training/run_dir.py, error repo
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m training.cli`: its imports without the cyclic collector (training/startup.py)
+    from training.startup import begin, done
+
+    begin()
+
 import importlib
 import pickle
 import sys
@@ -239,4 +244,5 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(code)
 
 if __name__ == "__main__":
+    done()
     main()
