@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 # The sections of docs/PERFORMANCE.md, in order: each a module benchmarks/<name>.py and a file results/<name>.json.
-SECTIONS = ("hardware", "input_pipeline", "shards", "scan_cache", "worker_memory", "loop_overhead", "compute_levers",
-            "distributed", "fsdp_memory", "time_to_accuracy", "recipe", "gpu_throughput")
+SECTIONS = ("hardware", "startup", "input_pipeline", "shards", "scan_cache", "worker_memory", "loop_overhead",
+            "compute_levers", "distributed", "fsdp_memory", "time_to_accuracy", "recipe", "gpu_throughput")
 MARKER = re.compile(r"<!-- figure: ([\w.]+) -->(.*?)<!-- /figure -->", re.S)
 OPENING = "<!-- figure:"
 CODE = re.compile(r"`[^`\n]*`")  # inline code: a marker written there is shown, not filled in

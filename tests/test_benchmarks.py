@@ -9,6 +9,7 @@ import re
 import torch
 
 from benchmarks import figures, run, worker_memory
+from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
 
 
@@ -37,6 +38,10 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     text = out.read_text()
     assert re.search(r"Rendered from .* quick mode .* Measured on .* cores", text)
     tables = _tables(text)
+
+    startup = tables["Process start-up"]
+    assert [r[0] for r in startup[1:]] == [startup_bench.BASELINE, "python -m training.cli"]
+    assert _num(startup[1][2]) == 1.0 and all(_num(r[1]) > 0 for r in startup[1:])
 
     pipeline = tables["Input pipeline"]
     assert pipeline[0][:3] == ["loader", "img/s, 1 core", "vs baseline (target >= 2x)"]
