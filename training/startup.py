@@ -5,9 +5,9 @@ The imports (torch, Lightning, torchmetrics, torchvision, jsonargparse) build ~4
 collector on, Python walks them in full collections while importing, and again when the interpreter exits; frozen,
 neither happens, and every command, DDP rank and sweep trial starts and exits sooner (`python -m
 benchmarks.startup` measures by how much; docs/DESIGN.md quotes it). The cost is the cyclic garbage the imports
-leave behind (~13,000 objects, a few MB), which is kept instead of collected. Objects made after the start (the Trainer, the model, the
-loaders) are collected as usual, and a forked loader worker shares the frozen ones' pages with its parent, since
-the collector no longer writes to them.
+leave behind (~13,000 objects, a few MB), which is kept instead of collected. Objects made after the start (the
+Trainer, the model, the loaders) are collected as usual, and a forked loader worker shares the frozen ones' pages
+with its parent, since the collector no longer writes to them.
 
 `imgcls` (the console script) runs `main` here; `python -m training.cli` calls `begin` and `done` around its own
 imports. Code that imports `training.cli` as a library (tests, notebooks) is left alone.
