@@ -15,7 +15,9 @@ class KillAt(Callback):
     `where` is `train` (at the end of that training step, after any checkpoint of that step was written),
     `train_start` (at the start of the next step, before its forward) or `val` (after the first validation batch that
     follows that step). `rank` limits the kill to one process. `stamp`, a file path, receives `time.time()` just before
-    the signal, so that a test can time what the other processes do after it.
+    the signal, so that a test can time what the other processes do after it; with `train_start` and `rank`, each
+    other rank writes `<stamp>.rank<N>` as it starts that next step, before the collectives that the lost rank never
+    joins (DDP's buffer broadcast in the forward, the gradient all-reduce in the backward).
     """
 
     def __init__(self, step: int, where: str = "train", rank: int | None = None, sig: int = 9,
@@ -34,11 +36,15 @@ class KillAt(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.where == "train_start":
+            survivor = self.rank is not None and trainer.global_rank != self.rank
+            if survivor and self.stamp and trainer.global_step == self.step:
+                Path(f"{self.stamp}.rank{trainer.global_rank}").write_text(repr(time.time()))
             self._maybe_kill(trainer)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if self.where == "val" and not trainer.sanity_checking:
             self._maybe_kill(trainer)
+
 
 
 class BreakFile(Callback):
