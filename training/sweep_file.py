@@ -7,9 +7,10 @@ suggestions).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-import subprocess
-import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -152,16 +153,27 @@ def trial_args(params: dict[str, Any]) -> list[str]:
 
 
 def check_keys(sweep: Sweep) -> None:
-    """Parse one trial's command line without running it, so a misspelt parameter fails before any trial."""
+    """Parse one trial's command line without running it, so a misspelt parameter fails before any trial.
+
+    `imgcls fit --print_config` in this process, which has imported the CLI already (`imgcls sweep` is one of its
+    commands): a second interpreter would import torch and Lightning again for a parse."""
+    from training.cli import cli_main
+
     sample = {k: p["value"] if "value" in p else (p["values"][0] if "values" in p else p.get("min"))
               for k, p in sweep.parameters.items()}
-    proc = subprocess.run([sys.executable, "-m", "training.cli", "fit", *sweep.fixed_args, *trial_args(sample),
-                           "--print_config"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    printed, errors = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors), warnings.catch_warnings():
+            # sys.argv holds `imgcls sweep ...`, not this parse's arguments: Lightning's warning about both is moot.
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            cli_main(["fit", *sweep.fixed_args, *trial_args(sample), "--print_config"])
+    except SystemExit as parsed:
+        if parsed.code in (0, None):
+            return
+        lines = [line for line in errors.getvalue().strip().splitlines() if line.strip()]
         raise SweepFileError(f"{sweep.path}: `parameters` or `command` is rejected by imgcls fit: "
-                             f"{lines[-1] if lines else proc.returncode}")
+                             f"{lines[-1] if lines else parsed.code}") from None
+    raise SweepFileError(f"{sweep.path}: `imgcls fit --print_config` did not stop after printing the config")
 
 
 # ---- what the file means to Optuna ------------------------------------------------------------------------------
