@@ -180,6 +180,15 @@ STARTUP_PROBE = """
 import gc, runpy, sys
 from training import startup
 sys.argv = ["imgcls", "fit", "--config", "configs/quickstart.yaml", "--print_config"]
+collections = lambda: sum(generation["collections"] for generation in gc.get_stats())
+begin, done, started = startup.begin, startup.done, []
+def counted_begin():
+    begin()
+    started.append(collections())
+def counted_done():  # the collections run between begin and done: while the imports ran
+    print(f"collections while importing: {collections() - started.pop()}", file=sys.stderr)
+    done()
+startup.begin, startup.done = counted_begin, counted_done
 for entry in ("python -m training.cli", "imgcls"):
     gc.unfreeze()
     try:
@@ -187,16 +196,16 @@ for entry in ("python -m training.cli", "imgcls"):
             startup.main()
         else:
             runpy.run_module("training.cli", run_name="__main__")
-    except SystemExit as done:
-        assert done.code in (None, 0), done.code
+    except SystemExit as stop:
+        assert stop.code in (None, 0), stop.code
     print(f"{entry}: {gc.get_freeze_count()} frozen, collector {'on' if gc.isenabled() else 'off'}", file=sys.stderr)
 """
 
 
 def test_both_entry_points_freeze_their_imports_and_run_with_the_collector_on():
-    """`imgcls` and `python -m training.cli` import with the cyclic collector off, freeze what the imports built,
-    and run the command with the collector back on (training/startup.py). The probe runs each entry in one fresh
-    interpreter, so this process's objects stay unfrozen."""
+    """`imgcls` and `python -m training.cli` import with the cyclic collector off (no collection runs), freeze what
+    the imports built, and run the command with the collector back on (training/startup.py). The probe runs each
+    entry in one fresh interpreter, so this process's objects stay unfrozen."""
     import subprocess
     import sys
 
@@ -206,6 +215,9 @@ def test_both_entry_points_freeze_their_imports_and_run_with_the_collector_on():
     assert "trainer:" in proc.stdout  # each entry ran the command
     found = dict(line.split(": ", 1) for line in proc.stderr.splitlines() if line.startswith(("python -m", "imgcls:")))
     assert set(found) == {"python -m training.cli", "imgcls"}, proc.stderr[-3000:]
+    # Each entry's imports ran no collection (a first import of torch and Lightning runs dozens with it on).
+    assert [line for line in proc.stderr.splitlines() if line.startswith("collections while importing")] == \
+        ["collections while importing: 0"] * 2, proc.stderr[-3000:]
     for entry, state in found.items():
         count, collector = state.split(" frozen, collector ")
         assert int(count) > 100_000 and collector == "on", (entry, state)
