@@ -167,13 +167,11 @@ def check_keys(sweep: Sweep) -> None:
             # sys.argv holds `imgcls sweep ...`, not this parse's arguments: Lightning's warning about both is moot.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
             cli_main(["fit", *sweep.fixed_args, *trial_args(sample), "--print_config"])
-    except SystemExit as parsed:
-        if parsed.code in (0, None):
-            return
-        lines = [line for line in errors.getvalue().strip().splitlines() if line.strip()]
-        raise SweepFileError(f"{sweep.path}: `parameters` or `command` is rejected by imgcls fit: "
-                             f"{lines[-1] if lines else parsed.code}") from None
-    raise SweepFileError(f"{sweep.path}: `imgcls fit --print_config` did not stop after printing the config")
+    except SystemExit as parsed:  # --print_config exits 0 once the config parsed; a rejected one, with its error
+        if parsed.code not in (0, None):
+            lines = [line for line in errors.getvalue().strip().splitlines() if line.strip()]
+            raise SweepFileError(f"{sweep.path}: `parameters` or `command` is rejected by imgcls fit: "
+                                 f"{lines[-1] if lines else parsed.code}") from None
 
 
 # ---- what the file means to Optuna ------------------------------------------------------------------------------
