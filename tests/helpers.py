@@ -1,4 +1,4 @@
-"""Shared test utilities: running the real `imgcls` command in a subprocess, free ports, tiny image folders."""
+"""Shared test utilities: running the real `imgcls` command in a process of its own, free ports, tiny image folders."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ import pytest
 import yaml
 from PIL import Image
 
+from tests import preloaded
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+_EXECUTABLE = sys.executable
 
 # Shrinks any shipped config to seconds on a CPU: small network, small images, few batches, no rich widgets.
 def shipped_config(name: str = "quickstart.yaml") -> dict:
@@ -80,11 +83,17 @@ def wandb_run_record(run_dir: Path) -> dict:
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `imgcls ARGS...` as a user would; on failure the assertion shows the output."""
+    """Run `imgcls ARGS...` as a user would, in a process of its own (forked by tests/preloaded.py's server, which
+    has done the imports); on failure the assertion shows the output."""
     cmd = [sys.executable, "-m", "training.cli", *args]
-    # Its own session: a timeout then kills the DDP ranks the launcher started too, not only the launcher.
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=env or cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = env or cli_env()
+    # Forked by a server that has done the imports (tests/preloaded.py), or, where it can't be, a fresh interpreter.
+    # Either way in its own session: a timeout then kills the DDP ranks the launcher started too, not only it.
+    proc = None
+    if sys.executable == _EXECUTABLE:  # not a test's stand-in for the interpreter
+        proc = preloaded.command(list(args), cwd or ROOT, env, ROOT, cli_env())
+    proc = proc or subprocess.Popen(cmd, cwd=cwd or ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException as exc:  # our timeout, or pytest-timeout / Ctrl-C interrupting the wait

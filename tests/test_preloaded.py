@@ -1,0 +1,102 @@
+"""The preloaded `imgcls` server of the tests (tests/preloaded.py): a command it forks is the process a fresh
+`python -m training.cli` would be, and trains to the same weights."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import preloaded
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, max_diff, run_cli
+
+
+def facts() -> None:
+    """A command's entry point (`entry` of a request): prints what the process looks like, as JSON."""
+    import __main__
+
+    print(json.dumps({
+        "pid": os.getpid(), "session": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv,
+        "main": __main__.__spec__.name, "marker": os.environ.get("IMGCLS_MARKER"), "random": random.random(),
+        "threads": torch.get_num_threads(), "frozen": gc.get_freeze_count(), "collector": gc.isenabled(),
+        "stdin": os.read(0, 10).decode(),
+    }))
+    print("to stderr", file=sys.stderr)
+
+
+def _run(entry: str, *args: str, cwd: Path, **env: str) -> tuple[int, dict, str]:
+    command = preloaded.command(list(args), cwd, cli_env(**env), ROOT, cli_env(), entry=entry)
+    assert command is not None
+    out, err = command.communicate(timeout=60)
+    return command.returncode, json.loads(out) if out else {}, err
+
+
+def test_a_forked_command_is_its_own_process_as_python_m_would_start_it(tmp_path):
+    code, first, err = _run("tests.test_preloaded:facts", "fit", "--x", cwd=tmp_path, IMGCLS_MARKER="one")
+    assert code == 0 and err == "to stderr\n"
+    _, second, _ = _run("tests.test_preloaded:facts", cwd=ROOT, IMGCLS_MARKER="two")
+    assert first["pid"] != os.getpid() and first["session"] == first["pid"]  # its own session: killpg reaches its ranks
+    assert first["cwd"] == str(tmp_path) and second["cwd"] == str(ROOT)
+    assert first["argv"][1:] == ["fit", "--x"] and first["argv"][0].endswith(str(Path("training", "cli.py")))
+    assert first["main"] == "training.cli"  # Lightning's launcher starts the other ranks with `-m training.cli`
+    assert (first["marker"], second["marker"]) == ("one", "two")
+    assert first["random"] != second["random"]  # reseeded, as a fresh interpreter is, not the server's state
+    assert first["threads"] == 1 and first["frozen"] > 100_000 and first["collector"]
+    assert first["stdin"] == ""
+
+
+def test_a_forked_command_reports_its_exit_code_and_its_signal(tmp_path):
+    script = "tests.test_preloaded:"
+    assert _run(script + "exit_3", cwd=tmp_path)[0] == 3
+    code, _, err = _run(script + "raise_error", cwd=tmp_path)
+    assert code == 1 and "ValueError: broken" in err  # the interpreter's own traceback and exit status
+    assert _run(script + "killed", cwd=tmp_path)[0] == -signal.SIGKILL
+
+
+def exit_3() -> None:
+    sys.exit(3)
+
+
+def raise_error() -> None:
+    raise ValueError("broken")
+
+
+def killed() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_another_thread_count_or_the_switch_gets_a_fresh_interpreter(tmp_path, monkeypatch):
+    assert preloaded.command(["fit"], tmp_path, cli_env(OMP_NUM_THREADS="2"), ROOT, cli_env()) is None
+    monkeypatch.setenv("IMGCLS_TEST_FRESH_INTERPRETERS", "1")
+    assert preloaded.command(["fit"], tmp_path, cli_env(), ROOT, cli_env()) is None
+
+
+@pytest.mark.slow
+def test_a_fit_forked_by_the_server_equals_one_in_a_fresh_interpreter(tmp_path, monkeypatch):
+    """The same 2-process DDP fit both ways (rank 1 started by Lightning's launcher from the forked rank 0): the same
+    weights, the same lines printed (Lightning's hint quotes the command it was started with)."""
+    data = make_image_folder(tmp_path / "data", {"a": 8, "b": 8}, size=32)
+    outputs, weights = [], []
+    for name in ("preloaded", "fresh"):
+        if name == "fresh":
+            monkeypatch.setenv("IMGCLS_TEST_FRESH_INTERPRETERS", "1")
+        run = tmp_path / name
+        proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(data),
+                       "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.max_epochs", "1",
+                       "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+                       "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run), timeout=300,
+                       env=cli_env(MASTER_PORT=str(free_port())))
+        # The ranks' lines interleave as they come; the second run finds the first one's scan cache.
+        outputs.append(sorted(line.replace(str(run), "RUN") for line in (proc.stdout + proc.stderr).splitlines()
+                              if not line.startswith("data: start scan")))
+        weights.append(torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"])
+    assert max_diff(*weights) == 0
+    assert outputs[0] == outputs[1]
+    assert "resolved config RUN/config.yaml" in outputs[0] and "[rank: 1] Seed set to 42" in outputs[0]
