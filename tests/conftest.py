@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -49,6 +50,11 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files with the most slow tests first (ties: as collected): with --dist loadfile a worker runs a whole file, and
+    # a long one handed out last keeps one worker busy while the others have finished. (xdist's own order, the files
+    # with the most tests first, put the single-test multi-minute files at the end.)
+    slow = Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

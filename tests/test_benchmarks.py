@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 
 from benchmarks import figures, run, worker_memory
@@ -28,6 +29,7 @@ def _num(cell: str) -> float:
     return float(cell.replace(",", ""))  # table() writes 1,234
 
 
+@pytest.mark.slow  # every benchmark, shrunk: ~1.5 min on 2 cores
 def test_quick_run_writes_every_section_with_its_table(tmp_path):
     committed = {p: p.read_bytes() for p in [*figures.RESULTS.rglob("*.json"), figures.PERFORMANCE]}
     out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md")  # raises if a section failed

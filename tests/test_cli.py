@@ -158,6 +158,7 @@ def test_ckpt_path_last_resumes_from_the_saved_epoch(digits_root, tmp_path):
     assert cli.trainer.global_step == 12
 
 
+@pytest.mark.slow  # torch.compile of ResNet50: ~50 s on 2 cores with a cold inductor cache
 def test_production_config_runs_one_batch_on_cpu(tmp_path):
     """configs/imagenet_ddp8.yaml as shipped (ResNet50, IMAGENET1K_V2 from the hub cache, levers auto), one device."""
     make_image_folder(tmp_path / "data", {"cat": 4, "dog": 4}, size=64, ext=".jpg")
