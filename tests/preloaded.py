@@ -60,7 +60,9 @@ def serve() -> None:
                 requests.close()
                 replies.close()
                 _command(request)  # raises SystemExit: the child leaves this loop through the interpreter's exit
-            reply = {"pid": pid}
+            # A fork copies only the forking thread: a lock another thread held stays locked in the child. The
+            # imports start none; tests/test_preloaded.py checks it with this count.
+            reply = {"pid": pid, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc") else None}
         else:  # "wait": the exit status of a command this server forked
             _, status = os.waitpid(request["pid"], 0)
             reply = {"returncode": os.waitstatus_to_exitcode(status)}
@@ -70,8 +72,6 @@ def serve() -> None:
 
 def _command(request: dict) -> None:
     """In the forked child: become `python -m training.cli ARGS` in the request's session, folder and environment."""
-    import random
-
     import numpy as np
 
     import training.cli
@@ -84,8 +84,7 @@ def _command(request: dict) -> None:
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
-    random.seed()
-    np.random.seed()
+    np.random.seed()  # (Python's `random` reseeds itself in a forked child; NumPy's global generator does not)
     sys.argv = [training.cli.__file__, *request["args"]]
     sys.modules["__main__"] = training.cli  # Lightning's launcher reads __main__.__spec__ for the ranks' command
     module, _, function = request.get("entry", "training.cli:main").partition(":")  # another: tests/test_preloaded.py
@@ -127,8 +126,9 @@ class Command:
         self.out, self.err = self.folder / "stdout", self.folder / "stderr"
         self.returncode: int | None = None
         try:
-            self.pid = server.ask({"op": "run", "entry": entry, "args": args, "cwd": str(cwd), "env": env,
-                                   "stdout": str(self.out), "stderr": str(self.err)})["pid"]
+            reply = server.ask({"op": "run", "entry": entry, "args": args, "cwd": str(cwd), "env": env,
+                                "stdout": str(self.out), "stderr": str(self.err)})
+            self.pid, self.server_threads = reply["pid"], reply["threads"]
             self.server.proc.stdin.write(json.dumps({"op": "wait", "pid": self.pid}) + "\n")
             self.server.proc.stdin.flush()
         except BaseException:

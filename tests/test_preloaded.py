@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,8 @@ def facts() -> None:
 
     print(json.dumps({
         "pid": os.getpid(), "session": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv,
-        "main": __main__.__spec__.name, "marker": os.environ.get("IMGCLS_MARKER"), "random": random.random(),
+        "main": __main__.__spec__.name, "marker": os.environ.get("IMGCLS_MARKER"),
+        "random": [random.random(), float(np.random.random())],
         "threads": torch.get_num_threads(), "frozen": gc.get_freeze_count(), "collector": gc.isenabled(),
         "stdin": os.read(0, 10).decode(),
     }))
@@ -34,6 +36,7 @@ def facts() -> None:
 def _run(entry: str, *args: str, cwd: Path, **env: str) -> tuple[int, dict, str]:
     command = preloaded.command(list(args), cwd, cli_env(**env), ROOT, cli_env(), entry=entry)
     assert command is not None
+    assert command.server_threads in (1, None)  # the server forked with no other thread (None: no /proc to count)
     out, err = command.communicate(timeout=60)
     return command.returncode, json.loads(out) if out else {}, err
 
@@ -47,7 +50,8 @@ def test_a_forked_command_is_its_own_process_as_python_m_would_start_it(tmp_path
     assert first["argv"][1:] == ["fit", "--x"] and first["argv"][0].endswith(str(Path("training", "cli.py")))
     assert first["main"] == "training.cli"  # Lightning's launcher starts the other ranks with `-m training.cli`
     assert (first["marker"], second["marker"]) == ("one", "two")
-    assert first["random"] != second["random"]  # reseeded, as a fresh interpreter is, not the server's state
+    # Python's and NumPy's generators reseeded, as a fresh interpreter's are, not left in the server's state
+    assert all(a != b for a, b in zip(first["random"], second["random"], strict=True))
     assert first["threads"] == 1 and first["frozen"] > 100_000 and first["collector"]
     assert first["stdin"] == ""
 
