@@ -51,6 +51,7 @@ from datamodules.presets import (
     check_fast_decode,
     check_schedule,
     float_transform,
+    input_contract,
 )
 from datamodules.samplers import (
     BalancedSampler,
@@ -167,7 +168,8 @@ class ImageFolderDataModule(DeviceBatches):
         # Saved as strings: checkpoints load weights_only, which refuses Paths.
         root, predict_dir = (str(p) if isinstance(p, Path) else p for p in (root, predict_dir))
         self.save_hyperparameters()
-        self.format, self.batch_size, self.num_workers = format, batch_size, num_workers
+        # A plain int: jsonargparse passes PositiveInt, which the link into the model would put into its checkpoints.
+        self.format, self.batch_size, self.num_workers = format, int(batch_size), num_workers
         # A litdata root stays a string, which LitData reads as given: Path would fold s3:// into s3:/.
         self.root = (Path(root).expanduser() if format == "folder" else os.path.expanduser(root)) if root else None
         self.prefetch_factor, self.persistent_workers, self.pin_memory = prefetch_factor, persistent_workers, pin_memory
@@ -201,6 +203,12 @@ class ImageFolderDataModule(DeviceBatches):
         if self.multilabel and self.sampling == "balanced":
             raise ValueError(f"data.sampler=balanced weights each image by its class, and {self.root} is multi-label "
                              f"(train/{LABELS_CSV}); use data.sampler: random")
+
+    @property
+    def input_contract(self) -> dict:
+        """The evaluation preprocessing, as values (`datamodules.presets.input_contract`): linked into the model, which
+        keeps it in its checkpoints, so that a checkpoint evaluates and predicts as it was validated."""
+        return input_contract(self.preset, self.eval_image_size, self.eval_resize_size)
 
     @property
     def num_classes(self) -> int | None:

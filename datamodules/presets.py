@@ -159,6 +159,29 @@ class ClassificationPresetEval:
         return self.transforms(img)
 
 
+def input_contract(preset: Preset, image_size: int, resize_size: int | None = None) -> dict:
+    """The evaluation preprocessing of `ClassificationPresetEval(preset, image_size, resize_size)` as plain values, as
+    timm's `pretrained_cfg` states a model's: what a model trained with it expects of an RGB image. The model keeps it
+    in its checkpoints (`model.input_contract`); evaluation, prediction and export rebuild the transform from it."""
+    _check_preset(preset)
+    imagenet = preset == "imagenet"
+    return {
+        "preset": preset,
+        "image_size": int(image_size),  # the square side the network sees
+        "resize_size": int(resize_size or round(image_size / 0.875)) if imagenet else None,  # short side, then crop
+        "crop": "center" if imagenet else "none",  # none: the whole image resized to a square
+        "interpolation": "bilinear",
+        "mean": list(IMAGENET_MEAN) if imagenet else [0.0, 0.0, 0.0],  # after scaling pixels to [0, 1]
+        "std": list(IMAGENET_STD) if imagenet else [1.0, 1.0, 1.0],
+    }
+
+
+def eval_preset(contract: dict, *, uint8_output: bool = False) -> ClassificationPresetEval:
+    """The evaluation transform of an input contract (`input_contract`)."""
+    return ClassificationPresetEval(preset=contract["preset"], image_size=contract["image_size"],
+                                    resize_size=contract.get("resize_size"), uint8_output=uint8_output)
+
+
 def _plain(image_size: int) -> list:
     """Resize to a square (so batches stack); no augmentation. `float_transform` rescales pixels to [0, 1]."""
     return [v2.PILToTensor(), v2.Resize((image_size, image_size), antialias=True)]

@@ -86,6 +86,10 @@ class ImageClassifier(L.LightningModule):
             ``auto`` compiles on CUDA with Triton only.
         optimizer_impl: ``default`` (torch's per-parameter loop), ``foreach`` or ``fused`` (one kernel for all
             parameters); ``auto`` picks fused where it was measured faster (CUDA, x86 CPUs with AVX2).
+        input_contract: the evaluation preprocessing the network is trained for, linked from the DataModule and saved
+            in checkpoints (as timm's ``pretrained_cfg``): ``preset``, ``image_size`` (the square side it sees),
+            ``resize_size`` and ``crop``, ``interpolation``, ``mean`` and ``std`` (of pixels scaled to [0, 1]).
+            ``imgcls validate``, ``test``, ``predict`` and ``export`` read it from a checkpoint.
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class ImageClassifier(L.LightningModule):
         channels_last: bool | Auto = "auto",
         compile: bool | Auto = False,
         optimizer_impl: OptimizerImpl = "auto",
+        input_contract: dict | None = None,
     ) -> None:
         check_arguments("model", ImageClassifier.__init__, locals())  # the annotated ranges and choices
         super().__init__()
@@ -129,6 +134,7 @@ class ImageClassifier(L.LightningModule):
         # Each command's own threshold: not checkpointed, as a checkpoint's hparams would override the command line.
         self.save_hyperparameters(ignore=["threshold"])
         self.threshold = threshold
+        self.input_contract = dict(input_contract) if input_contract is not None else None
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
         self.net = build_network(arch, weights, head_hidden, dropout, num_classes)
         self.batch_mix = batch_mix(num_classes, mixup_alpha, cutmix_alpha)  # None when both are off
@@ -212,6 +218,15 @@ class ImageClassifier(L.LightningModule):
         self.eval_loss[prefix].update(loss, weight=y.shape[0])
         self.log(f"{prefix}/loss", self.eval_loss[prefix], prog_bar=prefix == "val")
         self.log_dict(metrics, prog_bar=prefix == "val")
+
+    def logged_metrics(self, multilabel: bool | None = None) -> set[str]:
+        """The names this model logs (what a ModelCheckpoint or EarlyStopping may monitor); `multilabel` None: as
+        configured, else as a model of that kind would."""
+        multilabel = self.hparams.multilabel if multilabel is None else multilabel
+        names = {"train/loss", "train/acc", "val/acc_best"}
+        for split in ("val", "test"):
+            names |= {f"{split}/loss", *split_metrics(self.hparams.num_classes, split, multilabel).keys()}
+        return names
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._eval_step(batch, "val")

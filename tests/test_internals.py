@@ -27,7 +27,9 @@ IMPORTED = [
 # (class, attribute) read or overridden on instances and classes.
 ATTRIBUTES = [
     (L.Trainer, "_run"),  # trainer.py: the ranks agree on the resume checkpoint between process group and load
-    (LightningCLI, "_parse_ckpt_path"),  # cli.py: resolve `last` and auto_resume before hparams are read
+    # cli.py: resolve `last`, auto_resume and a missing --ckpt_path, and check a resume, before hparams are merged
+    # (no public hook runs between parsing and that merge)
+    (LightningCLI, "_parse_ckpt_path"),
     (LightningCLI, "_add_instantiators"),
     (LightningCLI, "_get"),
     (ModelCheckpoint, "_should_skip_saving_checkpoint"),

@@ -82,8 +82,10 @@ def test_validate_from_checkpoint_alone_downloads_nothing(checkpoint, digits_roo
 
 def test_resumed_fit_downloads_nothing_and_keeps_the_configured_weights(checkpoint, digits_root, tmp_path,
                                                                         offline_env):
+    # The run's own settings (its frozen first epoch too): a resume that changes one is refused (test_from_checkpoint).
     run_cli(*FIT, "--data.root", str(digits_root), "--model.weights", "IMAGENET1K_V1", "--trainer.max_epochs", "2",
-            "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(tmp_path), env=offline_env)
+            "--model.freeze_backbone_epochs", "1", "--ckpt_path", str(checkpoint), "--trainer.default_root_dir",
+            str(tmp_path), env=offline_env)
     assert_nothing_downloaded(offline_env)
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["epoch"] == 1

@@ -253,6 +253,7 @@ class ResumePlan:
 
     path: str | None
     unusable: tuple[Path, ...] = ()
+    auto: bool = False  # found by auto_resume (no --ckpt_path)
 
 
 def newest_intact_checkpoint(folder: Path | list[Path], first: Path | None = None) -> tuple[Path | None, list[Path]]:
@@ -300,7 +301,7 @@ def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | list[Path], auto_resu
                 rank_zero_warn(f"--ckpt_path last: no intact checkpoint in {shown}; training from scratch")
             return ResumePlan(None, tuple(unusable))
         rank_zero_info(f"resuming from {found} ({'auto_resume' if ckpt_path is None else '--ckpt_path last'})")
-        return ResumePlan(str(found), tuple(unusable))
+        return ResumePlan(str(found), tuple(unusable), auto=ckpt_path is None)
     if ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
         return ResumePlan(ckpt_path)
     path = Path(ckpt_path)

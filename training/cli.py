@@ -22,14 +22,12 @@ if __name__ == "__main__":  # `python -m training.cli`: its imports without the 
     begin()
 
 import importlib
-import pickle
 import sys
 import warnings
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
-import torch
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import ArgumentError, DefaultHelpFormatter, Namespace
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
@@ -40,16 +38,24 @@ from datamodules import ImageFolderDataModule
 from datamodules.arguments import plain_parser_error
 from lightning_modules import ImageClassifier
 from training.callbacks import PredictionWriter
-from training.checkpointing import (
-    AtomicCheckpointIO,
-    ResumePlan,
-    UnsafeCheckpointError,
-    resolve_resume,
-    unsafe_message,
-)
+from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
 from training.errors import exit_code
 from training.faults import fault_callbacks
-from training.run_dir import RunConfig, checkpoint_callbacks, closing_summary, run_dir
+from training.from_checkpoint import (
+    ClassMismatchError,
+    NoCheckpointError,
+    SavedRun,
+    best_checkpoint_of,
+    check_classes,
+    check_resume_overrides,
+    check_same_data,
+    check_unfinished,
+    evaluation_data,
+    explicit_keys,
+    set_by_user,
+)
+from training.preflight import check_monitored
+from training.run_dir import RunConfig, checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
 from training.trainer import Trainer
 from training.wandb_runs import WandbInstantiator, wandb_online
 
@@ -90,32 +96,74 @@ class ImgclsCLI(LightningCLI):
     """
 
     resume_plan: ResumePlan | None = None  # fit: the checkpoint this process found for --ckpt_path last/auto_resume
+    saved_run: SavedRun | None = None  # what the checkpoint of --ckpt_path (or the one found for it) says of its run
+    resume_how = ""  # fit: "auto_resume" or "--ckpt_path X", as the user asked for the checkpoint
+    explicit = None  # the values a config file or the command line set, without the defaults
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data knows its classes once it has listed the folders: nobody types the number of classes.
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
         parser.link_arguments("data.multilabel", "model.multilabel", apply_on="instantiate")  # train/labels.csv
-        parser.link_arguments("data.batch_size", "model.batch_size")  # for lr scaling by the global batch
+        parser.link_arguments("data.input_contract", "model.input_contract", apply_on="instantiate")  # eval transform
+        parser.link_arguments("data.batch_size", "model.batch_size", apply_on="instantiate")  # lr scaling
         parser.add_argument("--auto_resume", type=bool, default=False,
                             help="fit: resume from the newest intact checkpoint of the run directory, if any")
 
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        super().parse_arguments(parser, args)
+        self.explicit = explicit_values(parser, args)
+
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads the model hyperparameters of --ckpt_path here, before any other hook: so this is where
-        # `last`, auto_resume and a broken checkpoint are resolved to an intact file.
+        # `last`, auto_resume and a broken checkpoint are resolved to an intact file, where an evaluation without a
+        # checkpoint finds its run's best one, and where a resume is checked against the run it would continue.
         subcommand = self.config.get("subcommand")
-        config = self.config.get(subcommand) if subcommand else None
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        asked = config.ckpt_path
         if subcommand == "fit":
             # Every folder a checkpoint of this run can be in: each callback's, and the run's own (a callback with no
             # dirpath, and the preemption save, write there).
-            run_checkpoints = run_dir(config) / "checkpoints"
-            folders = [Path(c.init_args.dirpath) for c in checkpoint_callbacks(config) if c.init_args.dirpath]
-            self.resume_plan = resolve_resume(config.ckpt_path, [run_checkpoints, *folders], config.auto_resume)
+            self.resume_plan = resolve_resume(config.ckpt_path, [run_dir(config) / "checkpoints",
+                                                                 *checkpoint_folders(config)], config.auto_resume)
             config.ckpt_path = self.resume_plan.path
-        try:
-            super()._parse_ckpt_path()
-        except pickle.UnpicklingError as err:  # LightningCLI loads it with weights_only=True
-            raise UnsafeCheckpointError(unsafe_message(config.ckpt_path, err)) from None
+        elif config.ckpt_path is None:
+            config.ckpt_path = self._checkpoint_to_evaluate(subcommand, config)
+        path = config.ckpt_path
+        if not path or not Path(path).exists():  # none, or Lightning's "best" / "hpc" / "registry"
+            return
+        self.saved_run = saved = SavedRun.read(path)
+        if subcommand == "fit":
+            self.resume_how = how = "auto_resume" if asked is None else f"--ckpt_path {asked}"
+            check_resume_overrides(saved, config.model, explicit_keys(self.explicit_of(subcommand), "model"), how)
+        hparams = {k: v for k, v in saved.model.items() if k != "_instantiator"}
+        if "_class_path" in hparams:  # a model configured by class_path, as LightningCLI stores it
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        if hparams:  # the checkpoint's hyperparameters over the config's, as LightningCLI merges them
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
+    def _checkpoint_to_evaluate(self, subcommand: str, config) -> str | None:
+        """validate, test or predict without --ckpt_path: the run directory's best checkpoint, else the pretrained
+        weights (said in one line), else a refusal: an untrained network is never evaluated in silence."""
+        folder = run_dir(config)
+        found = best_checkpoint_of(folder, checkpoint_folders(config))
+        if found is not None:
+            path, score = found
+            rank_zero_info(f"{subcommand}: no --ckpt_path, so the best checkpoint of {folder}: {path}"
+                           + (f" ({score})" if score else ""))
+            return path
+        if config.model.get("weights"):
+            rank_zero_info(f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: evaluating "
+                           f"the pretrained weights model.weights={config.model.weights} with an untrained head")
+            return None
+        raise NoCheckpointError(
+            f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: the network is untrained; "
+            f"pass --ckpt_path RUN/checkpoints/last.ckpt (or --config RUN/config.yaml of a trained run)")
+
+    def explicit_of(self, subcommand: str):
+        return self.explicit.get(subcommand) if self.explicit is not None else None
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
@@ -126,6 +174,10 @@ class ImgclsCLI(LightningCLI):
             init = getattr(logger, "init_args", None)
             if init is not None and "save_dir" in init and init.save_dir in ("", None):
                 init.save_dir = str(folder)
+            if init is not None and self.subcommand != "fit" and init.get("version") == "":
+                # validate/test/predict of a run log into a series of their own (<run>/validate/...), never into
+                # the training curves at step 0.
+                init.version = self.subcommand
             if init is not None and logger.class_path.endswith("WandbLogger") and wandb_online():
                 init.offline = False
         for callback in checkpoint_callbacks(config):
@@ -134,12 +186,14 @@ class ImgclsCLI(LightningCLI):
         if config.trainer.get("enable_progress_bar") is False and config.trainer.callbacks:
             # The shipped configs list a RichProgressBar, which Lightning refuses next to enable_progress_bar=false.
             config.trainer.callbacks = [c for c in config.trainer.callbacks if not c.class_path.endswith("ProgressBar")]
-        if config.data.root is None and config.get("ckpt_path"):
-            # Predicting from a checkpoint alone: the eval transform must match training's, so take it from there.
-            saved = torch.load(config.ckpt_path, map_location="cpu", weights_only=True)
-            for key in ("preset", "image_size", "eval_image_size", "eval_resize_size"):
-                if key in saved.get("datamodule_hyper_parameters", {}):
-                    config.data[key] = saved["datamodule_hyper_parameters"][key]
+        if self.saved_run is not None and self.subcommand != "fit":
+            explicit = explicit_keys(self.explicit_of(self.subcommand), "data")
+            if self.subcommand == "predict" and not set_by_user("root", explicit):
+                config.data.root = None  # the classes come from the checkpoint: no data folder needed
+            evaluation_data(config.data, explicit, self.saved_run, self.subcommand)
+
+    def before_fit(self) -> None:
+        check_monitored(self.trainer, self.model, self.datamodule)
 
     def _add_instantiators(self) -> None:
         super()._add_instantiators()  # the model and data instantiators below replace the two Lightning adds
@@ -197,17 +251,44 @@ class _ModelInstantiator(_InstantiatorFn):
 
 
 class _DataInstantiator(_InstantiatorFn):
-    """With `data.root: null` there are no folders to list: the classes come from the checkpoint's hyperparameters,
-    which LightningCLI has merged into `model`, so the data -> model links do not overwrite them with None."""
+    """The classes of a command run from a checkpoint are the checkpoint's: `predict` takes them whatever the data
+    folder holds (with `data.root: null` there is none), `validate` and `test` check the folder's against them, and a
+    resumed fit checks that the data is its run's (training.from_checkpoint)."""
 
     def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
         datamodule = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
                                       **kwargs)
-        model = self.cli.config[self.cli.subcommand].model
-        if datamodule.class_names is None and model.get("class_names"):
-            datamodule.class_names = list(model.class_names)
-            datamodule.multilabel = bool(model.get("multilabel"))
+        cli, saved = self.cli, self.cli.saved_run
+        config = cli.config[cli.subcommand]
+        if saved is None or saved.class_names is None:
+            return datamodule
+        if cli.subcommand == "fit":  # the same run (its classes and data), and not finished
+            check_same_data(saved, config.data.root, datamodule.class_names, cli.resume_how)
+            check_unfinished(saved, config.trainer.max_epochs, config.trainer.max_steps, cli.resume_how)
+            return datamodule
+        multilabel = bool(saved.model.get("multilabel"))
+        if cli.subcommand != "predict":
+            datamodule.class_names = check_classes(datamodule.class_names, saved, config.data.root, cli.subcommand)
+            if datamodule.multilabel != multilabel:
+                kinds = {True: "multi-label (labels.csv)", False: "single-label (class folders)"}
+                raise ClassMismatchError(f"the checkpoint {saved.path} is {kinds[multilabel]} and data.root="
+                                         f"{config.data.root} is {kinds[datamodule.multilabel]}")
+        datamodule.class_names, datamodule.multilabel = saved.class_names, multilabel
         return datamodule
+
+
+def explicit_values(parser: LightningArgumentParser, args):
+    """What a config file or the command line set, without the defaults (None if that parse fails): the values the
+    user chose, which a checkpoint's own must not replace in silence."""
+    exit_on_error, parser.exit_on_error = parser.exit_on_error, False
+    try:
+        if isinstance(args, dict | Namespace):
+            return parser.parse_object(args, defaults=False)
+        return parser.parse_args(args, defaults=False)
+    except (ArgumentError, ValueError, TypeError):
+        return None
+    finally:
+        parser.exit_on_error = exit_on_error
 
 
 def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:

@@ -17,15 +17,17 @@ from pathlib import Path
 
 import torch
 
-from datamodules.presets import ClassificationPresetEval
+from datamodules.presets import eval_preset, input_contract
 from lightning_modules import ImageClassifier
-from training.checkpointing import UnsafeCheckpointError, safe_load
+from training.checkpointing import UnsafeCheckpointError
+from training.from_checkpoint import SavedRun
 
 FORMATS = ("onnx", "torchscript")
 
 
 def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
-    """The model in eval mode on the CPU, fp32, and the data hyperparameters it was trained with."""
+    """The model in eval mode on the CPU, fp32, and its input contract (the evaluation preprocessing it was trained
+    with: `ImageClassifier.input_contract`, or the data hyperparameters of a checkpoint older than it)."""
     ckpt_path = Path(ckpt_path)
     if ckpt_path.is_dir():  # written by training.fsdp.FSDP2Strategy
         raise ValueError(f"--ckpt_path {ckpt_path} is a sharded checkpoint (a folder); make one file of it first: "
@@ -35,21 +37,17 @@ def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
     # weights=None: the checkpoint holds every weight, so the pretrained ones it was fine-tuned from (model.weights)
     # are neither needed nor downloaded.
     # Both reads are weights_only: a checkpoint that needs arbitrary unpickling is refused, naming the file.
-    data = safe_load(ckpt_path).get("datamodule_hyper_parameters", {})
+    contract = SavedRun.read(ckpt_path).input_contract or input_contract("imagenet", 224)
     model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, weights=None)
-    return model.float().eval(), data
+    return model.float().eval(), contract
 
 
-def preprocessing(data: dict) -> dict:
-    """What a server must do to an RGB image before the model, from the run's eval transform."""
-    preset = data.get("preset", "imagenet")
-    size = int(data.get("eval_image_size") or data.get("image_size", 224))  # FixRes: evaluation's size, not training's
-    steps = ClassificationPresetEval(preset=preset, image_size=size,
-                                     resize_size=data.get("eval_resize_size")).transforms.transforms
+def preprocessing(contract: dict) -> dict:
+    """What a server must do to an RGB image before the model: the model's input contract, step by step."""
+    steps = eval_preset(contract).transforms.transforms
     return {
         "input": "RGB image (decode grayscale/RGBA/16-bit to 8-bit RGB first)",
-        "preset": preset,
-        "image_size": size,
+        **contract,
         "steps": [repr(step) for step in steps],  # torchvision transforms v2, applied in order
         "layout": "float32 (B, 3, H, W), channels RGB",
     }
@@ -58,8 +56,8 @@ def preprocessing(data: dict) -> dict:
 def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -> Path:
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is unknown; choose one of {', '.join(FORMATS)}")
-    model, data = load_for_export(ckpt_path)
-    pre = preprocessing(data)
+    model, contract = load_for_export(ckpt_path)
+    pre = preprocessing(contract)
     out = Path(out_dir) if out_dir else Path(ckpt_path).resolve().parent.parent / "export"
     out.mkdir(parents=True, exist_ok=True)
     example = torch.randn(2, 3, pre["image_size"], pre["image_size"])  # (B, 3, H, W)

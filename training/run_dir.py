@@ -31,9 +31,15 @@ def checkpoint_callbacks(config) -> list:
     return [c for c in config.trainer.callbacks or [] if c.class_path.endswith("ModelCheckpoint")]
 
 
+def checkpoint_folders(config) -> list[Path]:
+    """The folders the configured ModelCheckpoints name (those with no dirpath write to <run dir>/checkpoints)."""
+    return [Path(c.init_args.dirpath) for c in checkpoint_callbacks(config) if c.init_args.dirpath]
+
+
 class RunConfig(SaveConfigCallback):
-    """Writes the resolved config to `<run dir>/config.yaml` (rank 0; `validate_config.yaml` etc. for the other
-    commands), so the run can be re-run from its folder,
+    """Writes the resolved config to `<run dir>/config.yaml` (rank 0), so the run can be re-run from its folder; a
+    later command never overwrites it, and writes its own as `<command>_config.yaml` (`fit_config.yaml` for a resumed
+    fit whose config differs),
     and logs it to every logger as hyperparameters, with the git commit (and dirty flag) and the images per class;
     secrets (URL passwords, API keys) are masked in both. A fit also records its W&B run id in the run directory."""
 
@@ -54,10 +60,15 @@ class RunConfig(SaveConfigCallback):
         folder = Path(trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
         text = redact_secrets(self.parser.dump(self.config, skip_none=False))
-        # validate/test/predict, run from <run>/config.yaml, must not overwrite the config that trained the run.
+        # The run's record is the config that first trained it: a later command (validate, test, predict, a resumed
+        # or repeated fit) writes its own beside it, <stage>_config.yaml.
         stage = getattr(stage, "value", stage)  # a TrainerFn: "fit", "validate", "test", "predict"
-        name = self.config_filename if stage == "fit" else f"{stage}_{self.config_filename}"
-        (folder / name).write_text(text)
+        first = folder / self.config_filename
+        if stage != "fit" or first.exists():
+            if stage != "fit" or first.read_text() != text:
+                (folder / f"{stage}_{self.config_filename}").write_text(text)
+        else:
+            first.write_text(text)
         params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
         for logger in trainer.loggers:
             logger.log_hyperparams(params)

@@ -1,0 +1,281 @@
+"""What a command started from a checkpoint takes from it, and what it refuses.
+
+A checkpoint carries its run: the model's hyperparameters (the class names, the input contract: the evaluation
+preprocessing the network was trained with), the DataModule's, and how far the fit got. So
+
+- `imgcls validate|test|predict --ckpt_path X` evaluate with the model's own preprocessing and classes, whatever the
+  DataModule's defaults are; a value the user set (on the command line or in a config) is obeyed, with one line when
+  it differs from training;
+- without `--ckpt_path` they evaluate the run directory's best checkpoint, or say that they evaluate pretrained
+  weights, or refuse: never an untrained network in silence;
+- `imgcls fit` continues a checkpoint only when it is the same run (classes, model, data), not finished, and not
+  changed on the command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+
+from training.checkpointing import UnsafeCheckpointError, checkpoint_problem, newest_intact_checkpoint, unsafe_message
+
+log = logging.getLogger(__name__)
+
+# The data keys that make the model's input contract, and those of the held-out validation split.
+CONTRACT_KEYS = ("preset", "image_size", "eval_image_size", "eval_resize_size")
+SPLIT_KEYS = ("val_split", "split_seed")
+# Model keys a resume may change: the speed levers (how the same run computes) and what the data links in.
+RESUME_MAY_CHANGE = frozenset({"channels_last", "compile", "optimizer_impl", "threshold",
+                               "num_classes", "class_names", "multilabel", "batch_size", "input_contract"})
+
+
+class NotTheSameRunError(ValueError):
+    """A fit would continue a checkpoint of another run (other classes, model or data), or change it in silence."""
+
+
+class FinishedRunError(ValueError):
+    """A fit would resume a checkpoint that has already reached max_epochs or max_steps: nothing left to train."""
+
+
+class ClassMismatchError(ValueError):
+    """The data's classes are not the checkpoint's."""
+
+
+class NoCheckpointError(ValueError):
+    """An evaluation command has no checkpoint to evaluate and no pretrained weights."""
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """What one checkpoint (a file, or a sharded checkpoint's folder) says about its run, read without its weights."""
+
+    path: Path
+    model: dict[str, Any]  # the model's hyperparameters
+    data: dict[str, Any]  # the DataModule's
+    global_step: int
+    epochs_done: int | None  # epochs whose training part finished (Lightning's count for max_epochs)
+    callbacks: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: str | Path) -> SavedRun:
+        path = Path(path)
+        file = path / "meta.pt" if path.is_dir() else path  # training.fsdp keeps everything but the shards there
+        try:
+            # mmap: the tensors stay on disk; only the small Python parts are read.
+            ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(unsafe_message(file, err)) from None
+        except RuntimeError as err:  # not a zip archive: an old or foreign format
+            raise ValueError(f"--ckpt_path {path} is not a checkpoint imgcls can read ({checkpoint_problem(file)})"
+                             f": {str(err).splitlines()[0]}") from None
+        progress = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+        return cls(path, dict(ckpt.get("hyper_parameters") or {}), dict(ckpt.get("datamodule_hyper_parameters") or {}),
+                   int(ckpt.get("global_step", 0)), progress.get("processed"), dict(ckpt.get("callbacks") or {}))
+
+    @property
+    def class_names(self) -> list[str] | None:
+        names = self.model.get("class_names")
+        return list(names) if names is not None else None
+
+    @property
+    def input_contract(self) -> dict[str, Any] | None:
+        """The model's evaluation preprocessing; from the DataModule's hyperparameters for checkpoints older than it."""
+        contract = self.model.get("input_contract")
+        if contract is None and "preset" in self.data:
+            from datamodules.presets import input_contract
+
+            contract = input_contract(self.data["preset"], self.data.get("eval_image_size") or self.data["image_size"],
+                                      self.data.get("eval_resize_size"))
+        return dict(contract) if contract is not None else None
+
+    def finished(self, max_epochs: int | None, max_steps: int) -> str | None:
+        """Why a fit resumed from here would train nothing (Lightning's own stopping rule), or None."""
+        if max_steps is not None and max_steps != -1 and self.global_step >= max_steps:
+            return f"max_steps={max_steps} reached (global step {self.global_step})"
+        if max_epochs is None:
+            max_epochs = 1000 if max_steps in (None, -1) else -1  # Lightning's default
+        if max_epochs != -1 and self.epochs_done is not None and self.epochs_done >= max_epochs:
+            return f"max_epochs={max_epochs} reached"
+        return None
+
+    def best(self) -> tuple[str, str | None]:
+        """(the best checkpoint that a ModelCheckpoint of this run recorded, "monitor score"), or (this one, None)."""
+        for key, state in self.callbacks.items():
+            best = state.get("best_model_path") if isinstance(state, Mapping) else None
+            if key.startswith("ModelCheckpoint") and best and not checkpoint_problem(Path(best)):
+                score = state.get("best_model_score")
+                monitor = state.get("monitor") or key
+                shown = f"{monitor} {float(score):.4f}" if score is not None else None
+                return best, shown
+        return str(self.path), None
+
+
+def explicit_keys(explicit, section: str) -> set[str] | None:
+    """The keys of `section` ("data", "model") that a config file or the command line set; None when unknown."""
+    if explicit is None:
+        return None
+    part = explicit.get(section) if hasattr(explicit, "get") else None
+    if part is None:
+        return set()
+    init = part.get("init_args") if hasattr(part, "get") and part.get("init_args") is not None else part
+    return set(vars(init)) if hasattr(init, "__dict__") else set(init)
+
+
+def set_by_user(key: str, explicit: set[str] | None) -> bool:
+    return explicit is None or key in explicit
+
+
+def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: str) -> None:
+    """Gives the data config of `validate|test|predict` the checkpoint's preprocessing (and, on the run's own data
+    root without a val/ folder, its held-out validation split), except the keys the user set, which are obeyed: one
+    warning line each where they differ from training, and one line listing what was taken."""
+    contract = saved.input_contract
+    if contract is None:
+        return
+    side_key = next((k for k in ("eval_image_size", "image_size") if set_by_user(k, explicit) and data.get(k)), None)
+    trained = {"preset": contract["preset"], "eval_image_size": contract["image_size"],
+               "eval_resize_size": contract.get("resize_size") if contract["preset"] == "imagenet" else None}
+    asked = {"preset": data.get("preset") if set_by_user("preset", explicit) else None,
+             "eval_image_size": data[side_key] if side_key else None,
+             "eval_resize_size": data.get("eval_resize_size") if set_by_user("eval_resize_size", explicit) else None}
+    taken = {}
+    for key, value in trained.items():
+        if asked[key] is None:
+            taken[key] = value
+        elif asked[key] != value and value is not None:
+            shown = side_key if key == "eval_image_size" else key
+            warn_line(f"data.{shown}={asked[key]} is set, and the model was trained with {value} ({saved.path}): "
+                      f"{command} uses {asked[key]}")
+    if taken.get("eval_image_size") and not set_by_user("image_size", explicit) and "image_size" in saved.data:
+        taken["image_size"] = saved.data["image_size"]
+    root = data.get("root")
+    if root and saved.data.get("root") and _same_path(root, saved.data["root"]) and not (Path(root) / "val").is_dir():
+        taken |= {k: saved.data[k] for k in SPLIT_KEYS if k in saved.data and not set_by_user(k, explicit)}
+    taken = {k: v for k, v in taken.items() if data.get(k) != v}
+    for key, value in taken.items():
+        data[key] = value
+    if taken:
+        shown = ", ".join(f"data.{k}={v}" for k, v in taken.items())
+        rank_zero_info(f"{command}: as the model was trained ({saved.path}): {shown}")
+
+
+@rank_zero_only
+def warn_line(message: str) -> None:
+    """One warning line (rank zero), without the source line that `warnings` adds."""
+    log.warning(message)
+
+
+def check_classes(data_names: list[str] | None, saved: SavedRun, root, command: str) -> list[str] | None:
+    """The class names `command` evaluates with: the checkpoint's. The same names in another order are mapped by name
+    (said in one line); other names or counts are refused in one line that lists the difference."""
+    names = saved.class_names
+    if names is None or data_names is None or list(data_names) == names:
+        return names
+    if sorted(data_names) == sorted(names):
+        rank_zero_info(f"{command}: data.root={root} lists the checkpoint's classes in another order; images are "
+                       f"labelled by class name, in the checkpoint's order")
+        return names
+    only_data = [n for n in data_names if n not in names]
+    only_ckpt = [n for n in names if n not in data_names]
+    raise ClassMismatchError(
+        f"data.root={root} has {len(data_names)} classes and the checkpoint {saved.path} has {len(names)}, not the "
+        f"same: only in the data: {_short(only_data)}; only in the checkpoint: {_short(only_ckpt)}; {command} needs "
+        f"data with the model's classes (to train on these, start a new run with --model.weights {saved.path})")
+
+
+def run_folder(saved: SavedRun) -> Path:
+    """The run directory a checkpoint belongs to (<run>/checkpoints/x.ckpt -> <run>)."""
+    return saved.path.parent.parent if saved.path.parent.name == "checkpoints" else saved.path.parent
+
+
+def _new_run_hint(saved: SavedRun, how: str) -> str:
+    if how == "auto_resume":
+        return "pass a new --trainer.default_root_dir for a new run"
+    return (f"start a new run from these weights with --model.weights {saved.path} and a new "
+            "--trainer.default_root_dir")
+
+
+def check_resume_overrides(saved: SavedRun, model, explicit_model: set[str] | None, how: str) -> None:
+    """Refuses a resumed fit whose config sets a model value other than the checkpoint's, which would otherwise win in
+    silence (LightningCLI merges the checkpoint's hyperparameters over the command line). The speed levers and what
+    the data links in may change. `how`: auto_resume or --ckpt_path ..., named in the message."""
+    changed = []
+    for key in sorted(explicit_model or ()):
+        if key in RESUME_MAY_CHANGE or key not in saved.model:
+            continue
+        new, old = model.get(key), saved.model[key]
+        if not _equal(new, old):
+            changed.append(f"model.{key}={new} (the checkpoint's: {old})")
+    if changed:
+        raise NotTheSameRunError(
+            f"{how}: {'; '.join(changed)}: a resumed fit continues {run_folder(saved)} as it was trained, so the "
+            f"checkpoint's value would be used; drop the override to resume, or {_new_run_hint(saved, how)}")
+
+
+def check_same_data(saved: SavedRun, root, data_names: list[str] | None, how: str) -> None:
+    """Refuses a resumed fit on other classes than its checkpoint's, and an auto_resume on another data root (an
+    explicit --ckpt_path may continue on data that moved: said in one line)."""
+    names = saved.class_names
+    if names is not None and data_names is not None and list(data_names) != names:
+        raise NotTheSameRunError(
+            f"{how}: {run_folder(saved)} holds a run on other classes ({_short(names)}) than data.root={root} "
+            f"({_short(data_names)}); {_new_run_hint(saved, how)}")
+    trained_on = saved.data.get("root")
+    if trained_on and root and not _same_path(trained_on, root):
+        if how == "auto_resume":
+            raise NotTheSameRunError(
+                f"auto_resume: {run_folder(saved)} holds a run on data.root={trained_on}, not {root}; "
+                f"{_new_run_hint(saved, how)}, or --ckpt_path {saved.path} to continue it on this data")
+        rank_zero_info(f"{how}: continuing on data.root={root}; the checkpoint trained on {trained_on} (same classes)")
+
+
+def check_unfinished(saved: SavedRun, max_epochs: int | None, max_steps: int, how: str) -> None:
+    """Refuses to "resume" a finished run: Lightning would train nothing, validate, and exit 0."""
+    why = saved.finished(max_epochs, max_steps)
+    if why:
+        raise FinishedRunError(
+            f"{how}: {saved.path} has finished its run ({why}), so there is nothing to train; raise "
+            "--trainer.max_epochs or --trainer.max_steps to train on, pass a new --trainer.default_root_dir for a "
+            f"new run, or evaluate it: imgcls validate --config {run_folder(saved) / 'config.yaml'}")
+
+
+def best_checkpoint_of(run_dir: Path, folders: list[Path]) -> tuple[str, str | None] | None:
+    """The best checkpoint of a run directory (as its ModelCheckpoint recorded it) and its score; None without one."""
+    newest, _ = newest_intact_checkpoint([run_dir / "checkpoints", *folders])
+    if newest is None:
+        return None
+    return SavedRun.read(newest).best()
+
+
+def _same_path(a, b) -> bool:
+    a, b = str(a), str(b)
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-12)
+        except (TypeError, ValueError):
+            return False
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return dict(a) == dict(b)
+    return a == b
+
+
+def _short(names: list[str], most: int = 8) -> str:
+    if not names:
+        return "none"
+    return ", ".join(map(str, names[:most])) + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -1,0 +1,29 @@
+"""Checks that a fit's parts fit together, made before its first step: a mismatch found after an epoch wastes it."""
+
+from __future__ import annotations
+
+
+def check_monitored(trainer, model, datamodule) -> None:
+    """Every callback that monitors a metric (ModelCheckpoint, EarlyStopping, ...) names one the model logs.
+
+    Lightning finds out only after the first validation ("could not find the monitored key"). A multi-label recipe
+    on single-label data (or the reverse) is the usual cause, and is named as such.
+    """
+    logged = getattr(model, "logged_metrics", None)
+    if logged is None:  # a user's model that does not say what it logs
+        return
+    names = set(logged())
+    for callback in trainer.callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if not isinstance(monitor, str) or monitor in names:
+            continue
+        multilabel = bool(getattr(datamodule, "multilabel", False))
+        root = getattr(datamodule, "root", None)
+        if not multilabel and monitor in model.logged_metrics(multilabel=True):
+            why = (f"{monitor} is a multi-label metric: this config needs multi-label data (a labels.csv in each "
+                   f"split folder), and data.root={root} has class folders")
+        elif multilabel and monitor in model.logged_metrics(multilabel=False):
+            why = f"{monitor} is a single-label metric, and data.root={root} is multi-label (labels.csv)"
+        else:
+            why = f"the model logs {', '.join(sorted(names))}"
+        raise ValueError(f"{type(callback).__name__} monitors {monitor}, which this model never logs: {why}")
