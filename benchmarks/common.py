@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from PIL import Image
 
-from datamodules import hardware
+from core import hardware
 
 
 def cores() -> int:

@@ -5,7 +5,7 @@
 Each full run stores its machine's figures in benchmarks/results/hardware/<machine>.json; the section shows every
 machine stored there, one row each, named by its CPU model and flags, so figures from a bf16 CPU and an AVX2-only CPU
 sit side by side and never mix (copy another machine's file there to compare; `--stored` re-renders without
-measuring). The last columns say what `auto` picks on that machine (datamodules/hardware.py).
+measuring). The last columns say what `auto` picks on that machine (core/hardware.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from benchmarks.common import interleaved, lap_times, machine_info, standalone, table
 from benchmarks.compute_levers import train_step
 from benchmarks.time_to_accuracy import RECIPE
-from datamodules import hardware
+from core import hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = "Hardware"

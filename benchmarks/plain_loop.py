@@ -22,7 +22,7 @@ from torch import nn
 from torchvision.io import ImageReadMode, decode_image, read_file
 
 from benchmarks.common import cpu_autocast
-from datamodules import hardware
+from core import hardware
 
 
 def load_split(split_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:

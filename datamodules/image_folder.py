@@ -18,8 +18,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from datamodules import hardware
-from datamodules.arguments import (
+from core import hardware
+from core.config_types import (
     ClosedUnitInterval,
     ImageSide,
     NonNegativeFloat,
@@ -83,7 +83,7 @@ class ImageFolderDataModule(DeviceBatches):
             shards that ``imgcls prepare-data`` wrote, streamed by LitData (datamodules/shards.py); the splits, class
             names and bad-file scan come from that conversion, and the sampler is LitData's shuffle.
         batch_size: images per device and step; the global batch is world size x batch_size x accumulation.
-        num_workers: loader processes per device; null chooses from the hardware (datamodules/hardware.py): one
+        num_workers: loader processes per device; null chooses from the hardware (core/hardware.py): one
             on a CPU-trained model, the node's CPUs shared by the GPUs (at most 8) on CUDA.
         val_split: fraction of ``train/`` held out, seeded (and stratified by class, single-label), when there is no
             ``val/``.

@@ -12,6 +12,8 @@ import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import Dataset, DistributedSampler
 
+from core.seeding import batch_seed, draw_seed
+
 
 class RepeatedAugmentationSampler(DistributedSampler):
     """Repeated augmentation (Hoffer et al. 2019; DeiT and torchvision's V2 recipe): each image of an epoch is drawn
@@ -73,23 +75,6 @@ class BalancedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
-
-
-def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = None) -> int:
-    """A seed from (run seed, training batch index, rank, stream), so that random draws depend only on the batch: a
-    resumed run draws what the uninterrupted one drew, and each micro-batch of an accumulated step draws its own.
-
-    `batch` counts every training batch of the run (Lightning's batch progress, restored from checkpoints); `stream`
-    keeps independent users (dropout, device augmentation) from drawing the same numbers; `base` defaults to the
-    run's seed_everything seed.
-    """
-    base = int(os.environ.get("PL_GLOBAL_SEED", 0)) if base is None else base
-    return (((base * 1_000_003 + batch) * 1_009 + rank) * 7 + stream) % (2**63)
-
-
-def draw_seed(seed: int, epoch: int, rank: int, position: int) -> int:
-    """The seed of one training draw: a function of (run seed, epoch, rank, its position in the rank's epoch)."""
-    return (((seed * 1_000_003 + epoch) * 1_009 + rank) * 2_000_003 + position) % (2**63)
 
 
 class SeededDraws(DistributedSampler):

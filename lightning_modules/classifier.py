@@ -19,8 +19,8 @@ from torchmetrics.classification import (
     MultilabelExactMatch,
 )
 
-from datamodules import hardware
-from datamodules.arguments import (
+from core import hardware
+from core.config_types import (
     NonNegativeFloat,
     NonNegativeInt,
     OpenUnitInterval,
@@ -81,7 +81,7 @@ class ImageClassifier(L.LightningModule):
             it, no optimizer state for it, BatchNorm statistics fixed.
         batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
         channels_last: NHWC memory format; ``auto`` turns it on where it was measured faster (CUDA, x86 CPUs with
-            AVX2), see datamodules/hardware.py.
+            AVX2), see core/hardware.py.
         compile: ``torch.compile`` the network (in place: checkpoint keys are unchanged) when the Trainer sets it up;
             ``auto`` compiles on CUDA with Triton only.
         optimizer_impl: ``default`` (torch's per-parameter loop), ``foreach`` or ``fused`` (one kernel for all

@@ -13,7 +13,7 @@ import torchvision
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from datamodules import hardware
+from core import hardware
 from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
 from training.cli import cli_main, main
 

@@ -21,7 +21,7 @@ import yaml
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.models import ResNet50_Weights
 
-from datamodules import hardware
+from core import hardware
 from lightning_modules import ImageClassifier
 from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, join_ranks, kill_args, make_image_folder, run_cli

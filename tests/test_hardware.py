@@ -13,7 +13,8 @@ import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
-from datamodules import ImageFolderDataModule, hardware
+from core import hardware
+from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from lightning_modules.classifier import resolve_levers
 from training.trainer import Trainer, device_type

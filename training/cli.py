@@ -34,8 +34,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _Instan
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
+from core.config_types import plain_parser_error
 from datamodules import ImageFolderDataModule
-from datamodules.arguments import plain_parser_error
 from lightning_modules import ImageClassifier
 from training.callbacks import PredictionWriter
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume

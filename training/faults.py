@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
-from datamodules.samplers import batch_seed
+from core.seeding import batch_seed
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED = "preempted.ckpt"  # Preemption's checkpoint, in the run's checkpoint folder

@@ -1,4 +1,4 @@
-"""Lightning's Trainer with `precision: auto`, resolved from what the hardware can do (datamodules/hardware.py), and
+"""Lightning's Trainer with `precision: auto`, resolved from what the hardware can do (core/hardware.py), and
 one resume decision for all ranks."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from datamodules import hardware
+from core import hardware
 from training.checkpointing import ResumePlan, agree_on_resume, tidy_checkpoint_folders
 
 
