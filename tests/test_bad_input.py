@@ -208,6 +208,20 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     assert not (run / "checkpoints").exists()  # nothing trained
 
 
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--model.lrr", "0.1"], "--model.lrr is not an option; did you mean --model.lr"),
+    (["--data.roott", "x"], "--data.roott is not an option; did you mean --data.root"),
+    (["--model.lr", "-0.1"], "model.lr=-0.1 must be positive"),
+])
+def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *TINY, *args])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert err.startswith(f"imgcls: error: {expected}") and "\n" not in err, err[-3000:]
+    assert err.endswith("(`imgcls fit --help` lists every option)")
+
+
 def test_bad_images_through_the_command_stop_before_training(tmp_path):
     root, bad = _bad_dataset(tmp_path)
     run = tmp_path / "run"

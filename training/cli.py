@@ -21,6 +21,7 @@ if __name__ == "__main__":  # `python -m training.cli`: its imports without the 
 
     begin()
 
+import difflib
 import importlib
 import sys
 import warnings
@@ -82,10 +83,34 @@ class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
 
 
 class _ArgumentParser(LightningArgumentParser):
-    """Words a value out of its range or choices as the model and data do: `model.lr=-0.1 must be positive`."""
+    """Every parse error is one line: a value out of its range or choices as the model and data word it
+    (`model.lr=-0.1 must be positive`), and a misspelt key with the closest valid ones (not a page of usage)."""
 
     def error(self, message: str, ex: Exception | None = None):
-        super().error(plain_parser_error(message), ex)
+        message = unknown_keys_message(plain_parser_error(message), self)
+        if not self.exit_on_error:  # jsonargparse trying an alternative: it catches this
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        command = " ".join(["imgcls", *parser.prog.replace(" [options]", "").split()[1:]])
+        print(f"imgcls: error: {message} (`{command} --help` lists every option)", file=sys.stderr)
+        sys.exit(2)
+
+
+def unknown_keys_message(message: str, parser) -> str:
+    """jsonargparse's `unrecognized arguments: --model.lrr 0.1` with, for each unknown key, the closest valid ones."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    unknown = [t.split("=")[0].lstrip("-") for t in message.split(":", 1)[1].split() if t.startswith("--")]
+    try:
+        known = [k for k in parser.get_defaults().keys() if not k.startswith("__")]
+    except Exception:  # noqa: BLE001 - only a hint: the message stands without it
+        return message
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        hints.append(f"--{key} is not an option" + (f"; did you mean {', '.join('--' + c for c in close)}?"
+                                                      if close else ""))
+    return "; ".join(hints) or message
 
 
 class ImgclsCLI(LightningCLI):
