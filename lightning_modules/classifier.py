@@ -40,6 +40,10 @@ Loss = Literal["ce", "bce"]
 LrScaling = Literal["linear", "sqrt", "none"]
 
 
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+               nn.LazyBatchNorm3d)  # the layers whose running statistics a frozen backbone keeps fixed
+
+
 class ImageClassifier(L.LightningModule):
     """Image classifier: a torchvision backbone (a ResNet50 by default) and the Keras fine-tuning head.
 
@@ -141,6 +145,7 @@ class ImageClassifier(L.LightningModule):
         # The levers set to `auto` are chosen in configure_model, once the Trainer knows the device.
         self.levers: dict[str, bool | str] = {}
         self._channels_last = False
+        self._net_compiled = False
         if channels_last is True:
             self._set_channels_last()
 
@@ -164,8 +169,9 @@ class ImageClassifier(L.LightningModule):
             self._set_channels_last()
         if self.hparams.freeze_backbone_epochs and self._trainer is not None and self._trainer.state.fn == "fit":
             self._set_backbone_trainable(not self.backbone_frozen())  # before the strategy wraps the model
-        if self.levers["compile"] and not getattr(self.net, "_compiled_call_impl", None):
+        if self.levers["compile"] and not self._net_compiled:
             self.net.compile()  # in place: nn.Module.compile keeps the state-dict keys
+            self._net_compiled = True
 
     def _set_channels_last(self) -> None:
         self.net = self.net.to(memory_format=torch.channels_last)
@@ -282,7 +288,7 @@ class ImageClassifier(L.LightningModule):
         super().train(mode)
         if mode and self.backbone_frozen():
             for name, module in self.net.named_modules():
-                if isinstance(module, nn.modules.batchnorm._BatchNorm) and not name.startswith(head_prefix(self.net)):
+                if isinstance(module, BATCH_NORMS) and not name.startswith(head_prefix(self.net)):
                     module.eval()
         return self
 

@@ -18,9 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 # (module, name): module-level private functions and types imported by name.
 IMPORTED = [
-    ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # training/faults.py: a restored sampler's epoch
     ("lightning.pytorch.overrides.distributed", "_register_ddp_comm_hook"),  # training/strategy.py: hooks on CPU too
-    ("lightning.fabric.plugins.precision.precision", "_PRECISION_INPUT"),  # training/trainer.py: precision's type
     ("lightning.pytorch.cli", "_InstantiatorFn"),  # training/cli.py: the model and data instantiators
 ]
 
@@ -31,7 +29,6 @@ ATTRIBUTES = [
     # (no public hook runs between parsing and that merge)
     (LightningCLI, "_parse_ckpt_path"),
     (LightningCLI, "_add_instantiators"),
-    (LightningCLI, "_get"),
     (ModelCheckpoint, "_should_skip_saving_checkpoint"),
     (ModelCheckpoint, "_should_save_on_train_epoch_end"),  # faults.py: where a deferred step save goes
     (ModelCheckpoint, "_should_remove_checkpoint"),  # checkpointing.py: last.ckpt as a hard link
@@ -52,6 +49,18 @@ def test_lightning_is_pinned_to_the_minor_version_read():
     pinned = next(line for line in open("pyproject.toml") if '"lightning' in line)
     assert '"lightning>=2.6,<2.7"' in pinned
     assert version("lightning").startswith("2.6.")
+
+
+def test_the_trainers_precision_values_are_lightnings():
+    """training/trainer.py types `precision` with Lightning's values (its annotation is private) plus `auto`."""
+    from typing import get_args
+
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+
+    from training.trainer import Precision
+
+    lightnings = {v for part in get_args(_PRECISION_INPUT) for v in get_args(part)}
+    assert set(get_args(Precision)) == lightnings | {"auto"}
 
 
 @pytest.mark.parametrize(("module", "name"), IMPORTED, ids=[n for _, n in IMPORTED])

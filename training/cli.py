@@ -231,7 +231,8 @@ class ImgclsCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
         # CheckpointIO (e.g. training.checkpointing.AsyncAtomicCheckpointIO: the same, written in the background).
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        plugins = (config.get("trainer") or {}).get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]

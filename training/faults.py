@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -108,7 +107,7 @@ class ExactResume(Callback):
         fit_loop._combined_loader._load_state_dicts(states)
         fit_loop._combined_loader_states_to_load = []
         for loader in fit_loop._combined_loader.flattened:  # a DistributedSampler's order depends on the epoch
-            _set_sampler_epoch(loader, trainer.current_epoch)
+            set_sampler_epoch(loader, trainer.current_epoch)
         if fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved after an epoch's last batch: the restored iterator is spent. Running it out uses the restored
             # position up; the fresh iterator below starts the next epoch (the sampler's order is a function of the
@@ -158,7 +157,7 @@ class ExactResume(Callback):
         # of the one after it. The epoch that starts is `current_epoch`; the loader's iterator is made after this hook.
         if trainer.fit_loop._combined_loader is not None:
             for loader in trainer.fit_loop._combined_loader.flattened:
-                _set_sampler_epoch(loader, trainer.current_epoch)
+                set_sampler_epoch(loader, trainer.current_epoch)
         self._epoch_samples = 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
@@ -316,6 +315,16 @@ class NonFiniteLossGuard(Callback):
             f"checkpoint: {last_good_checkpoint(trainer) or 'none yet'}. Lower model.lr, set "
             "trainer.gradient_clip_val, or use precision 32-true, then resume with --ckpt_path last"
         )
+
+
+def set_sampler_epoch(loader, epoch: int) -> None:
+    """`set_epoch` on a loader's sampler (and its batch sampler's), where it has one: a DistributedSampler's order is
+    a function of the epoch."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in {id(s): s for s in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None))
+                    if s is not None}.values():
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
 
 
 def checkpoint_dir(trainer: Trainer) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Literal
 
 import lightning as L
-from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT  # the Trainer's own annotation
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -14,6 +13,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from core import hardware
 from training.checkpointing import ResumePlan, agree_on_resume, tidy_checkpoint_folders
+
+# The values lightning.Trainer's `precision` takes (tests/test_internals.py checks them against its annotation), and
+# `auto`: typed, so that `--help` lists them and the CLI refuses a typo.
+Precision = Literal["auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
+                    "bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16", 64, 32, 16]
 
 
 class Trainer(L.Trainer):
@@ -27,7 +31,7 @@ class Trainer(L.Trainer):
 
     resume_plan: ResumePlan | None = None  # set by the CLI: what --ckpt_path last / auto_resume found
 
-    def __init__(self, *args, precision: Literal["auto"] | _PRECISION_INPUT | None = "auto", **kwargs) -> None:
+    def __init__(self, *args, precision: Precision | None = "auto", **kwargs) -> None:
         hw = hardware.detect()
         device = device_type(kwargs.get("accelerator", "auto"))
         if precision == "auto":
