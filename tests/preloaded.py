@@ -17,7 +17,11 @@ worker) for each command. The forked process is what `python -m training.cli ARG
 What differs: the imports ran once, in an environment the test's may not match where the libraries read it at
 import time. Only the thread count is read that way here (OpenMP's, OMP_NUM_THREADS), and a command whose
 environment asks for another one gets a fresh interpreter. So does every command when IMGCLS_TEST_FRESH_INTERPRETERS=1
-(the real start, for a suspicious difference), and tests/test_cli.py checks that both give the same run.
+(the real start, for a suspicious difference), and tests/test_preloaded.py checks that both give the same run.
+
+Which of the two runs a command is decided by the test's own inputs alone (the switch, the command's thread count,
+a stand-in interpreter): never by timing. A server that died, or a second command while one runs (one per server),
+fails the test loudly instead of falling back to the other model.
 
     python -m tests.preloaded     # the server: JSON requests on stdin, a JSON reply per line on stdout
 """
@@ -157,14 +161,18 @@ def command(args: list[str], cwd: Path, env: dict[str, str], root: Path, server_
             entry: str = "training.cli:main") -> Command | None:
     """`args` run by this process's server, started on first use; None where a fresh interpreter must run them."""
     global _SERVER
-    if os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS") == "1" or env.get("OMP_NUM_THREADS") != THREADS:
+    if "1" in (os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS"), env.get("IMGCLS_TEST_FRESH_INTERPRETERS")) \
+            or env.get("OMP_NUM_THREADS") != THREADS:
         return None
-    if _SERVER is None or _SERVER.proc.poll() is not None:
+    if _SERVER is None:
         _SERVER = Server(root, {**server_env, "OMP_NUM_THREADS": THREADS})
-    # One command at a time per server, whose replies come in order; a second one at once (a test's threads) gets
-    # a fresh interpreter.
+    elif _SERVER.proc.poll() is not None:
+        raise RuntimeError(f"the preloaded imgcls server of this test process exited ({_SERVER.proc.returncode}); "
+                           "its output is above (IMGCLS_TEST_FRESH_INTERPRETERS=1 runs every command without it)")
+    # One command at a time per server, whose replies come in order.
     if not _SERVER.lock.acquire(blocking=False):
-        return None
+        raise RuntimeError("a second imgcls command while one runs: the preloaded server runs one at a time; give "
+                           "the concurrent one IMGCLS_TEST_FRESH_INTERPRETERS=1 in its env")
     return Command(_SERVER, args, cwd, env, entry)
 
 

@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,32 @@ def killed() -> None:
 
 def test_another_thread_count_or_the_switch_gets_a_fresh_interpreter(tmp_path, monkeypatch):
     assert preloaded.command(["fit"], tmp_path, cli_env(OMP_NUM_THREADS="2"), ROOT, cli_env()) is None
+    assert preloaded.command(["fit"], tmp_path, cli_env(IMGCLS_TEST_FRESH_INTERPRETERS="1"), ROOT, cli_env()) is None
     monkeypatch.setenv("IMGCLS_TEST_FRESH_INTERPRETERS", "1")
     assert preloaded.command(["fit"], tmp_path, cli_env(), ROOT, cli_env()) is None
+
+
+def test_the_process_model_never_depends_on_timing(tmp_path):
+    """A second command while one runs, and a server that died, fail loudly: no silent fall-back to a fresh
+    interpreter, so a test runs the same way in every run."""
+    first = preloaded.command(["tests.test_preloaded:facts"], tmp_path, cli_env(), ROOT, cli_env(),
+                              entry="tests.test_preloaded:sleeper")
+    assert first is not None
+    with pytest.raises(RuntimeError, match="a second imgcls command while one runs"):
+        preloaded.command(["fit"], tmp_path, cli_env(), ROOT, cli_env())
+    first.communicate(timeout=60)
+    server = preloaded._SERVER
+    server.proc.kill()
+    server.proc.wait()
+    try:
+        with pytest.raises(RuntimeError, match="the preloaded imgcls server of this test process exited"):
+            preloaded.command(["fit"], tmp_path, cli_env(), ROOT, cli_env())
+    finally:
+        preloaded._SERVER = None  # the next test of this worker starts a new one
+
+
+def sleeper() -> None:
+    time.sleep(2)
 
 
 @pytest.mark.slow
