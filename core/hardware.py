@@ -1,10 +1,11 @@
 """What this machine can do, read once, and the speed levers chosen from it: precision, channels_last, torch.compile,
 the optimizer implementation and the loader workers.
 
-A lever's gain depends on the hardware: bf16 autocast is ~2x faster than fp32 on a CPU with native bf16 and ~10x
-slower on one without, so nothing here is chosen by habit. Every rule returns ``(value, reason)`` and the reason is
-printed. It sits at the bottom of the import graph (data -> model -> training) because the loaders, the model and
-the Trainer all ask it. Tests stand in other machines with ``monkeypatch.setattr(hardware, "detect", lambda: ...)``.
+A lever's gain depends on the hardware: bf16 autocast is meant to beat fp32 on a CPU with native bf16 and is far
+slower than fp32 on one without (benchmarks/hardware.py measures it; docs/PERFORMANCE.md, "Hardware"), so nothing
+here is chosen by habit. Every rule returns ``(value, reason)`` and the reason is printed. It sits at the bottom of
+the import graph (data -> model -> training) because the loaders, the model and the Trainer all ask it. Tests
+stand in other machines with ``monkeypatch.setattr(hardware, "detect", lambda: ...)``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 # /proc/cpuinfo flags that decide a lever; the hardware benchmark records the same ones.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# The quickstart's ResNet50 step under bf16 autocast vs fp32 on a 2-core AVX2-only AMD EPYC (no avx512_bf16, no AMX),
-# both channels_last: ~11x slower (benchmarks/hardware.py; tests/test_hardware.py checks this against its results).
+# The quickstart's ResNet50 step under bf16 autocast against fp32, both channels_last, on a CPU without native bf16:
+# measured in benchmarks/hardware.py (docs/PERFORMANCE.md, "Hardware"); tests/test_hardware.py checks the factor in
+# this string against every stored result.
 BF16_COST_WITHOUT_NATIVE = "~10x slower than fp32"
 
 
@@ -120,7 +122,9 @@ def choose_channels_last(hw: Hardware, device: str) -> tuple[bool, str]:
 
 
 def choose_compile(hw: Hardware, device: str) -> tuple[bool, str]:
-    """torch.compile pays minutes of compilation for a faster step: worth it on a GPU with Triton, not on a CPU."""
+    """torch.compile pays a compilation at the start of a run for a faster step: worth it on a GPU with Triton, not on
+    a CPU (its compilation cost and step time there: benchmarks/compute_levers.py, docs/PERFORMANCE.md, "Compute
+    levers")."""
     if device == "cuda" and hw.triton:
         return True, "Triton kernels on CUDA"
     if device == "cuda":
@@ -133,7 +137,8 @@ def choose_optimizer_impl(hw: Hardware, device: str) -> tuple[str, str]:
     if device == "cuda":
         return "fused", "one optimizer kernel for all parameters on CUDA"
     if device == "cpu" and "avx2" in hw.cpu_flags:
-        # ResNet50's AdamW step: 87 ms -> 16 ms on a 2-core AVX2 EPYC; fused SGD 1.07x the whole step on a bf16 CPU.
+        # Fused SGD against torch's loop: benchmarks/compute_levers.py (docs/PERFORMANCE.md, "Compute levers").
+        # AdamW's fused kernel against its loop is in no stored benchmark result.
         return "fused", "vectorised CPU kernel, ~5x torch's loop for AdamW on an AVX2 CPU"
     return "default", f"not measured on a {hw.cpu_kind() if device == 'cpu' else device}"
 
@@ -143,6 +148,6 @@ def choose_num_workers(hw: Hardware, device: str, devices_per_node: int = 1) -> 
     if device == "cuda":
         workers = min(8, max(1, hw.cores // max(1, devices_per_node)))
         return workers, f"{hw.cores} CPUs shared by {devices_per_node} GPU(s), at most 8 each"
-    # One core decodes hundreds of small images a second while a CPU trains a ResNet at tens: one loader process
-    # keeps it fed, and every further one takes a core from the compute.
+    # One loader process decodes faster than a CPU trains a ResNet (benchmarks/input_pipeline.py, docs/PERFORMANCE.md,
+    # "Input pipeline"): it keeps the model fed, and every further one takes a core from the compute.
     return 1, "one loader process feeds a model trained on the CPU; more would take its cores"

@@ -28,8 +28,10 @@ CACHE_VERSION = 1
 # A file changed twice within its timestamp's resolution (up to 2 s on FAT and some NFS servers) can keep its size
 # and mtime: verdicts of files that recent are not cached (git's "racy clean" rule), they are checked again next time.
 _RACY_NS = 2_000_000_000
-# stat takes ~4 us on a local disk, where threads only contend for the GIL (measured 1.5-2x slower than one), and
-# 0.1-1 ms on a network file system, where threads overlap the waits: chunks go to the pool when the first was slow.
+# On a local disk a stat is quick and threads only contend for the GIL; on a network file system each stat waits on
+# the server, and threads overlap the waits: chunks go to the pool when the first chunk's stats took more than
+# _SLOW_STAT_S each on average. The stat cost on a local disk is measured in benchmarks/scan_cache.py
+# (docs/PERFORMANCE.md, "Start scan"); threaded stats and network file systems are not measured there.
 _STAT_CHUNK = 4096
 _SLOW_STAT_S = 50e-6
 _GOOD, _UNKNOWN = -1, -2  # verdict codes; 0, 1, ... index the cache's list of reasons

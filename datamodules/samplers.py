@@ -110,8 +110,9 @@ def worker_init(worker_id: int, rank: int) -> None:
     does (Lightning adds its own seeding only to loaders that have no worker_init_fn).
 
     A garbage collection in a forked worker writes to every object of the parent's heap (imports, the model's
-    Python objects) and so copies those pages: ~100 MB per worker, measured (benchmarks/worker_memory.py). Frozen
-    objects are never collected, and the worker's own objects still are.
+    Python objects) and so copies those pages into the worker (measured in benchmarks/worker_memory.py;
+    docs/PERFORMANCE.md, "Loader-worker memory"). Frozen objects are never collected, and the worker's own objects
+    still are.
     """
     gc.freeze()
     if int(os.environ.get("PL_SEED_WORKERS", 0)):

@@ -33,10 +33,11 @@ class ExactResume(Callback):
     `on_train_start` and the loader's iterator re-created from it.
 
     Random numbers: torch's global generator is seeded from (seed, training batch index, rank) before every training
-    batch (each micro-batch of an accumulated step has its own), so dropout and main-process augmentation depend only
-    on the batch, not on how many random numbers were drawn since the
-    process started. (Lightning does not checkpoint RNG states, and restoring a saved state would still be off by
-    whatever the loaders draw at an epoch boundary.)
+    batch (each micro-batch of an accumulated step has its own), so dropout, mixup and CutMix depend only on the
+    batch, not on how many random numbers were drawn since the process started. (Lightning does not checkpoint RNG
+    states, and restoring a saved state would still be off by whatever the loaders draw at an epoch boundary.) The
+    loader's augmentation does not draw from it: each training draw carries a seed of its own
+    (datamodules.samplers.SeededDraws).
     """
 
     def __init__(self, seed: int | None = None) -> None:
