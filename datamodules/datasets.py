@@ -130,8 +130,9 @@ def _load(read, transform, path: str):
 def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
     """(3, H, W) images -> a (B, 3, H, W) batch, channels_last when the images are stored HWC (interleaved).
 
-    torch.stack would copy interleaved images into planar NCHW element by element (~10x slower than a memcpy), and
-    the model converts the batch back to channels_last; stacking their HWC views copies them whole instead.
+    torch.stack would copy interleaved images into planar NCHW element by element (far slower than copying whole
+    rows; benchmarks/input_pipeline.py), and the model converts the batch back to channels_last; stacking their HWC
+    views copies them whole instead.
     """
     if images[0].stride(0) == 1:  # channels innermost: HWC, possibly a crop of a larger image
         return torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)

@@ -123,8 +123,8 @@ class ImageFolderDataModule(DeviceBatches):
             For when the CPU cores cannot feed the GPUs; on a CPU-only machine it only moves the work around.
         fast_decode: training JPEGs (imagenet preset) are decoded by libjpeg-turbo's fast path: fast integer IDCT
             and chroma upsampling, and at 1/2, 1/4 or 1/8 scale when the random crop is that many times larger than
-            image_size. About a quarter less CPU per image; pixels differ from the exact decode by about one level
-            in 255 on average. Validation, test and prediction images are always decoded exactly.
+            image_size. Less CPU per image (benchmarks/input_pipeline.py); pixels differ from the exact decode by
+            about one level in 255 on average. Validation, test and prediction images are always decoded exactly.
         bad_images: what to do with files that cannot be decoded, found by a scan at setup: ``raise`` (list them
             all and stop before training) or ``skip`` (log them and train on the rest).
         scan_cache: keep that scan's verdicts, keyed by path, size and mtime, in ``.imgcls-scan-cache-*.npz`` beside

@@ -87,7 +87,8 @@ class RandomResizedCropFlip:
         else:
             params = self._params(image.shape[-2], image.shape[-1])
         # Resized from a channels_last copy of the crop: torch's vectorised uint8 kernel then reads and writes
-        # interleaved pixels, a third faster than from the strided crop, and the result stays (3, S, S) in HWC order.
+        # interleaved pixels, faster than from the strided crop (benchmarks/input_pipeline.py), and the result stays
+        # (3, S, S) in HWC order.
         crop = F.crop(image, **params).unsqueeze(0).contiguous(memory_format=torch.channels_last)
         image = F.resize(crop, self.crop.size, antialias=True)[0]
         return F.horizontal_flip(image) if torch.rand(1) < 0.5 else image  # v2.RandomHorizontalFlip's draw

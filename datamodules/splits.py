@@ -61,7 +61,7 @@ def hold_out(train: list[tuple], val_split: float, seed: int, class_names: list[
              train_dir: Path) -> tuple[list[tuple], list[tuple]]:
     """(train, val): a seeded `val_split` share of `train` held out, stratified by class (single-label), so that every
     rank and every run gets the same split; `train_dir` is named in the errors."""
-    from sklearn.model_selection import train_test_split  # here: importing it costs ~1 s of start-up
+    from sklearn.model_selection import train_test_split  # here: importing it is a large share of start-up
 
     if multilabel:  # label sets do not stratify: a seeded random split
         train_idx, val_idx = train_test_split(range(len(train)), test_size=val_split,
