@@ -39,7 +39,7 @@ def _quickstart_recipe() -> dict:
     model, data = config["model"], config["data"]
     return dict(arch=model["arch"], head_hidden=model["head_hidden"], dropout=model["dropout"], lr=model["lr"],
                 betas=(model["momentum"], 0.999), weight_decay=model["weight_decay"],
-                warmup_epochs=model["warmup_epochs"], label_smoothing=model["label_smoothing"],
+                warmup_epochs=model["warmup_epochs"], label_smoothing=model["loss"]["init_args"]["label_smoothing"],
                 batch=data["batch_size"], image_size=data["image_size"], epochs=config["trainer"]["max_epochs"],
                 seed=config["seed_everything"])
 

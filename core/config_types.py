@@ -7,6 +7,8 @@ key's range; `check_arguments` applies the same annotations to Python callers (t
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
 import re
 import types
 import typing
@@ -56,6 +58,44 @@ def check_arguments(prefix: str, function: Callable, values: dict[str, Any]) -> 
             null = ", or null" if type(None) in members else ""
             raise ValueError(f"{prefix}.{key}={value!r} {rules[0]}{null}")
         raise ValueError(f"{prefix}.{key}={value!r} is unknown; choose {_choices(members)}")
+
+
+def class_path_error(message: str) -> str | None:
+    """jsonargparse's page for a `class_path` value that failed, as one line naming the key and the closest valid
+    choice: a misspelt class (`torch.nn.CrossEntropyLos`), a value that is no class path, or an init_args key the
+    class does not take. None when `message` is none of these."""
+    key = re.match(r'Parser key "([^"]+)":', message)
+    if key is None:
+        return None
+    key = key.group(1)
+    given = re.search(r"Problem with given class_path '([^']+)':\s*(.*)", message)
+    if given:
+        path, problem = given.group(1), given.group(2).strip()
+        missing = re.match(r"module '([\w.]+)' has no attribute '(\w+)'", problem)
+        if missing:
+            module, name = missing.groups()
+            names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(f'{module}.{c}' for c in close)}?" if close else ""
+            return f"{key}={path}: {module} has no {name}{hint}"
+        option = re.match(r"Option '(\w+)' is not accepted", problem)
+        if option:
+            module, _, name = path.rpartition(".")
+            try:
+                accepted = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+            except (ImportError, AttributeError, TypeError, ValueError):
+                accepted = []
+            close = difflib.get_close_matches(option.group(1), accepted, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(f'{key}.{c}' for c in close)}?" if close else ""
+            return f"{key}.{option.group(1)}: {path} takes no argument {option.group(1)}{hint}"
+        first = problem.splitlines()[0]
+        if re.match(r"\w+=", first):  # an init_args value out of range, already worded: `label_smoothing=1.0 must ...`
+            return f"{key}.{first}"
+        return f"{key}={path}: {first}"
+    plain = re.search(r"Expected a dot import path string: (\S+)", message)
+    if plain:
+        return f"{key}={plain.group(1)} is not a class: give a class_path (a dotted import path, e.g. torch.nn.X)"
+    return None
 
 
 def plain_parser_error(message: str) -> str:

@@ -4,11 +4,11 @@ per split."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -29,6 +29,7 @@ from core.config_types import (
     UnitIntervalRightOpen,
     check_arguments,
 )
+from lightning_modules.losses import for_multilabel
 from lightning_modules.network import Arch, build_network, head_prefix
 from lightning_modules.optim import build_optimizer, rescale_learning_rates
 from lightning_modules.targets import batch_mix, split_metrics
@@ -36,7 +37,6 @@ from lightning_modules.targets import batch_mix, split_metrics
 Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
 Optimizer = Literal["sgd", "adamw", "lamb"]
-Loss = Literal["ce", "bce"]
 LrScaling = Literal["linear", "sqrt", "none"]
 
 
@@ -51,7 +51,8 @@ class ImageClassifier(L.LightningModule):
         num_classes: number of classes; linked from the DataModule by the CLI.
         class_names: names of the classes, index order; linked from the DataModule and saved in checkpoints.
         multilabel: each image has any number of the classes (linked from the DataModule: ``train/labels.csv``):
-            sigmoid outputs, a binary cross-entropy per class (``loss`` is then ignored), and the metrics
+            sigmoid outputs, a loss on multi-hot rows (the default cross-entropy becomes
+            ``lightning_modules.losses.BinaryCrossEntropy``, said in one line), and the metrics
             val/acc (exact match: every label right), val/map (mean average precision over the classes),
             val/f1_macro and val/f1_micro.
         threshold: multi-label: a class is predicted when its sigmoid output is at least this (metrics, predict); not
@@ -65,17 +66,15 @@ class ImageClassifier(L.LightningModule):
         dropout: dropout before the last layer of the head.
         optimizer: ``sgd`` (momentum, nesterov), ``adamw``, or ``lamb`` (timm's LAMB, of its ResNet-strikes-back
             recipes; needs ``pip install 'imgcls[timm]'``).
-        loss: ``ce`` (softmax cross-entropy) or ``bce`` (a binary cross-entropy per class on the one-hot, smoothed or
-            mixed targets, as in ResNet strikes back).
-        bce_target_threshold: ``bce``: targets (smoothed or mixed) above this become 1, the others 0, as timm's
-            ``BinaryCrossEntropy(target_threshold=0.2)`` in ResNet strikes back; null keeps them soft.
+        loss: any ``nn.Module`` mapping (logits, targets) to a scalar (contract: lightning_modules/losses.py), by
+            ``class_path``; null is ``torch.nn.CrossEntropyLoss()``. ``lightning_modules.losses.BinaryCrossEntropy``
+            is ResNet strikes back's (with ``target_threshold``). It also gives val/loss and test/loss.
         lr: learning rate per 256 images; scaled by the global batch (world size x batch x accumulation).
         lr_scaling: ``linear``, ``sqrt`` or ``none``: how lr follows the global batch size.
         momentum: SGD momentum (AdamW: beta1).
         nesterov: Nesterov momentum for SGD.
         weight_decay: decoupled for AdamW, L2 for SGD; never applied to biases and normalisation weights.
         warmup_epochs: linear warm-up length (fractions allowed); cosine decay to zero follows.
-        label_smoothing: cross-entropy label smoothing.
         mixup_alpha: mixup of training batches (Beta(alpha, alpha) weights; 0.2 in torchvision's V2 recipe); 0 is off.
         cutmix_alpha: CutMix of training batches (1.0 in torchvision's V2 recipe); 0 is off. With both on, each batch
             gets one of the two, at even odds (v2.RandomChoice). They run on the device, on the normalised batch; the
@@ -107,15 +106,13 @@ class ImageClassifier(L.LightningModule):
         head_hidden: NonNegativeInt = 1024,
         dropout: UnitIntervalRightOpen = 0.2,
         optimizer: Optimizer = "sgd",
-        loss: Loss = "ce",
-        bce_target_threshold: UnitIntervalRightOpen | None = None,
+        loss: nn.Module | None = None,
         lr: PositiveFloat = 0.1,
         lr_scaling: LrScaling = "linear",
         momentum: float = 0.9,
         nesterov: bool = True,
         weight_decay: NonNegativeFloat = 1e-4,
         warmup_epochs: NonNegativeFloat = 1.0,
-        label_smoothing: UnitIntervalRightOpen = 0.0,
         mixup_alpha: NonNegativeFloat = 0.0,
         cutmix_alpha: NonNegativeFloat = 0.0,
         backbone_lr_ratio: NonNegativeFloat = 1.0,
@@ -136,7 +133,17 @@ class ImageClassifier(L.LightningModule):
             raise ValueError("model.mixup_alpha and model.cutmix_alpha mix single-label targets; this data is "
                              "multi-label (train/labels.csv): set both to 0")
         # Each command's own threshold: not checkpointed, as a checkpoint's hparams would override the command line.
-        self.save_hyperparameters(ignore=["threshold"])
+        with warnings.catch_warnings():  # Lightning's advice to ignore a module argument: done just below
+            warnings.filterwarnings("ignore", message="Attribute 'loss' is an instance of `nn.Module`")
+            self.save_hyperparameters(ignore=["threshold"])  # from a config: the loss's class_path and init_args
+        if isinstance(self.hparams.get("loss"), nn.Module):  # an object from Python, which checkpoints loaded
+            self.save_hyperparameters(ignore=["threshold", "loss"])  # weights_only cannot hold: left out
+        loss = nn.CrossEntropyLoss() if loss is None else loss
+        if multilabel:
+            loss, why = for_multilabel(loss)
+            if why:
+                rank_zero_info(why)
+        self.criterion = loss
         self.threshold = threshold
         self.input_contract = dict(input_contract) if input_contract is not None else None
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
@@ -201,15 +208,9 @@ class ImageClassifier(L.LightningModule):
         return loss
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The training loss of (B, C) logits against class indices (B,), soft targets or multi-hot rows (B, C)."""
-        smoothing = self.hparams.label_smoothing
-        if self.hparams.loss == "ce" and not self.hparams.multilabel:
-            return F.cross_entropy(logits, y, label_smoothing=smoothing)
-        target = F.one_hot(y, logits.shape[1]).to(logits.dtype) if y.ndim == 1 else y.to(logits.dtype)
-        target = target * (1 - smoothing) + smoothing / logits.shape[1]  # cross_entropy's smoothing, per class
-        if self.hparams.get("bce_target_threshold") is not None:
-            target = (target > self.hparams.bce_target_threshold).to(logits.dtype)
-        return F.binary_cross_entropy_with_logits(logits, target)
+        """`model.loss` of (B, C) logits against class indices (B,), soft targets or multi-hot rows (B, C); the
+        multi-hot rows of multi-label data as floats, as the loss contract has them (lightning_modules/losses.py)."""
+        return self.criterion(logits, y.to(logits.dtype) if self.hparams.multilabel else y)
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:
         x, y = batch
@@ -217,10 +218,9 @@ class ImageClassifier(L.LightningModule):
         metrics = self.val_metrics if prefix == "val" else self.test_metrics
         if self.hparams.multilabel:  # probabilities: torchmetrics applies a sigmoid only to values outside [0, 1]
             metrics.update(logits.sigmoid(), y.int())
-            loss = F.binary_cross_entropy_with_logits(logits, y.to(logits.dtype))
         else:
             metrics.update(logits, y)
-            loss = F.cross_entropy(logits, y)
+        loss = self.loss(logits, y)  # the training loss: val/loss and train/loss are the same quantity
         self.eval_loss[prefix].update(loss, weight=y.shape[0])
         self.log(f"{prefix}/loss", self.eval_loss[prefix], prog_bar=prefix == "val")
         self.log_dict(metrics, prog_bar=prefix == "val")

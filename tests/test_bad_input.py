@@ -17,7 +17,7 @@ import datamodules.bad_images as bad_images
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import find_bad_images, image_problem
 from lightning_modules import ImageClassifier
-from tests.helpers import TINY, make_image_folder, run_cli
+from tests.helpers import CONFIGS, TINY, make_image_folder, run_cli
 from training.cli import main
 
 
@@ -186,7 +186,9 @@ CLI_CASES = {
     "unknown preset": (["--data.preset", "fancy"], "data.preset"),
     "image_size < 32": (["--data.image_size", "16"], "data.image_size=16 is below 32"),
     "negative num_workers": (["--data.num_workers", "-1"], "data.num_workers=-1 must be >= 0"),
-    "label smoothing of 1": (["--model.label_smoothing", "1.0"], "model.label_smoothing=1.0 must be in [0, 1)"),
+    "BCE label smoothing of 1": (["--model.loss", "lightning_modules.losses.BinaryCrossEntropy",
+                                  "--model.loss.label_smoothing", "1.0"],
+                                 "model.loss.label_smoothing=1.0 must be in [0, 1)"),
     "misspelt arch": (["--model.arch", "resnt50"], "model.arch='resnt50' is unknown; did you mean resnet50"),
     "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
 }
@@ -212,10 +214,18 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     (["--model.lrr", "0.1"], "--model.lrr is not an option; did you mean --model.lr"),
     (["--data.roott", "x"], "--data.roott is not an option; did you mean --data.root"),
     (["--model.lr", "-0.1"], "model.lr=-0.1 must be positive"),
+    (["--model.loss", "torch.nn.CrossEntropyLos"],
+     "model.loss=torch.nn.CrossEntropyLos: torch.nn has no CrossEntropyLos; did you mean torch.nn.CrossEntropyLoss"),
+    (["--model.loss.label_smoothin", "0.1"],
+     "model.loss.label_smoothin: torch.nn.CrossEntropyLoss takes no argument label_smoothin; did you mean "
+     "model.loss.label_smoothing?"),
+    (["--model.label_smoothing", "0.1"], "--model.label_smoothing moved to --model.loss.label_smoothing"),
+    (["--model.loss", "bce"], "model.loss=bce moved: give the class, --model.loss "
+                              "lightning_modules.losses.BinaryCrossEntropy"),
 ])
 def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *TINY, *args])
+        main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, *args])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2
     assert err.startswith(f"imgcls: error: {expected}") and "\n" not in err, err[-3000:]

@@ -184,11 +184,16 @@ def test_a_finished_run_is_not_resumed_into_a_no_op_and_its_config_is_kept(run_c
     assert yaml.safe_load((run_copy / "fit_config.yaml").read_text())["trainer"]["max_epochs"] == 3
 
 
-def test_a_model_value_changed_on_resume_is_refused_naming_both_values(run_copy):
-    proc = run_cli("fit", "--config", str(run_copy / "config.yaml"), "--ckpt_path", "last", "--model.lr", "0.4",
+@pytest.mark.parametrize(("override", "named"), [
+    (["--model.lr", "0.4"], "model.lr=0.4 (the checkpoint's: 0.016)"),
+    # an injected part's init_args too, named by its leaf
+    (["--model.loss.label_smoothing", "0.3"], "model.loss.init_args.label_smoothing=0.3 (the checkpoint's: 0.1)"),
+])
+def test_a_model_value_changed_on_resume_is_refused_naming_both_values(run_copy, override, named):
+    proc = run_cli("fit", "--config", str(run_copy / "config.yaml"), "--ckpt_path", "last", *override,
                    "--trainer.max_epochs", "3", check=False)
     line = error_line(proc)
-    assert "--ckpt_path last: model.lr=0.4 (the checkpoint's: 0.016)" in line
+    assert line.startswith("imgcls: error: --ckpt_path last: model.") and named in line
     assert "drop the override to resume" in line and "--model.weights" in line
     assert torch.load(run_copy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 1
 

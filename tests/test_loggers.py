@@ -89,11 +89,12 @@ def test_wandb_offline_run_holds_metrics_config_and_images(wandb_run):
 
 
 def test_resumed_fit_continues_the_same_wandb_run(wandb_run, digits_root, tmp_path):
-    # The finished run's folder, moved: a resume that trains nothing still opens its W&B run (setup, final validation).
+    # The finished run's folder, moved, and trained one epoch further (a finished run is not "resumed" into nothing).
     (tmp_path / "checkpoints").mkdir()
     shutil.copy(wandb_run / "checkpoints" / "last.ckpt", tmp_path / "checkpoints")
     shutil.copy(wandb_run / WANDB_RUN_ID_FILE, tmp_path)
-    run_cli(*fit_args(digits_root, tmp_path), "--ckpt_path", "last", env=wandb_offline_env())
+    run_cli(*fit_args(digits_root, tmp_path), "--ckpt_path", "last", "--trainer.max_epochs", str(EPOCHS + 1),
+            env=wandb_offline_env())
     first, resumed = wandb_run_record(wandb_run), wandb_run_record(tmp_path)
     assert resumed["run_id"] == first["run_id"] == (wandb_run / WANDB_RUN_ID_FILE).read_text().strip()
     assert resumed.get("resume") is True and not first.get("resume")

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier, build_network
+from lightning_modules.losses import BinaryCrossEntropy
 from lightning_modules.targets import batch_mix
 from tests.helpers import make_image_folder
 
@@ -432,31 +433,34 @@ def test_timm_names_are_checked_and_timm_is_optional(monkeypatch):
 
 
 def test_bce_loss_scores_each_class_against_the_smoothed_or_mixed_targets():
-    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss="bce", label_smoothing=0.2)
+    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0,
+                            loss=BinaryCrossEntropy(label_smoothing=0.2))
     logits, y = torch.randn(3, 4), torch.tensor([0, 3, 1])
     expected = F.binary_cross_entropy_with_logits(logits, F.one_hot(y, 4).float() * 0.8 + 0.05)
     torch.testing.assert_close(model.loss(logits, y), expected)
     soft = torch.tensor([[0.7, 0.3, 0.0, 0.0]] * 3)  # a mixed batch's targets
     torch.testing.assert_close(model.loss(logits, soft), F.binary_cross_entropy_with_logits(logits, soft * 0.8 + 0.05))
-    ce = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, label_smoothing=0.2)
+    ce = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0,
+                         loss=torch.nn.CrossEntropyLoss(label_smoothing=0.2))
     torch.testing.assert_close(ce.loss(logits, y), F.cross_entropy(logits, y, label_smoothing=0.2))
 
 
 def test_bce_target_threshold_binarises_the_mixed_targets_as_rsb_does():
-    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss="bce", bce_target_threshold=0.2)
+    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0,
+                            loss=BinaryCrossEntropy(target_threshold=0.2))
     logits = torch.randn(2, 4)
     mixed = torch.tensor([[0.85, 0.15, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]])  # mixup's weights 0.85/0.15 and 0.5/0.5
     binary = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
     torch.testing.assert_close(model.loss(logits, mixed), F.binary_cross_entropy_with_logits(logits, binary))
-    with pytest.raises(ValueError, match=r"model.bce_target_threshold=1.5 must be in \[0, 1\)"):
-        ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss="bce", bce_target_threshold=1.5)
+    with pytest.raises(ValueError, match=r"model.loss.target_threshold=1.5 must be in \[0, 1\)"):
+        BinaryCrossEntropy(target_threshold=1.5)
 
 
 def test_lamb_is_timms_and_trains_with_the_projects_parameter_groups():
     from timm.optim import Lamb
 
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 2
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, optimizer="lamb", loss="bce",
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, optimizer="lamb", loss=BinaryCrossEntropy(),
                             batch_size=4, lr=0.008, lr_scaling="none", warmup_epochs=0, channels_last=False)
     before = model.net.fc[0].weight.detach().clone()
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,

@@ -23,6 +23,7 @@ if __name__ == "__main__":  # `python -m training.cli`: its imports without the 
 
 import difflib
 import importlib
+import re
 import sys
 import warnings
 from argparse import RawDescriptionHelpFormatter
@@ -35,7 +36,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _Instan
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from core.config_types import plain_parser_error
+from core.config_types import class_path_error, plain_parser_error
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from training.callbacks import PredictionWriter
@@ -87,13 +88,35 @@ class _ArgumentParser(LightningArgumentParser):
     (`model.lr=-0.1 must be positive`), and a misspelt key with the closest valid ones (not a page of usage)."""
 
     def error(self, message: str, ex: Exception | None = None):
-        message = unknown_keys_message(plain_parser_error(message), self)
+        message = moved_value_message(message) or class_path_error(message) or plain_parser_error(message)
+        message = unknown_keys_message(message, self)
         if not self.exit_on_error:  # jsonargparse trying an alternative: it catches this
             super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         command = " ".join(["imgcls", *parser.prog.replace(" [options]", "").split()[1:]])
         print(f"imgcls: error: {message} (`{command} --help` lists every option)", file=sys.stderr)
         sys.exit(2)
+
+
+# Keys and values that moved when a part became a seam (a class_path), and where they went: one line each.
+MOVED_KEYS = {
+    "model.label_smoothing": "model.loss.label_smoothing (an argument of the loss: torch.nn.CrossEntropyLoss or "
+                             "lightning_modules.losses.BinaryCrossEntropy)",
+    "model.bce_target_threshold": "model.loss.target_threshold, with --model.loss "
+                                  "lightning_modules.losses.BinaryCrossEntropy",
+}
+MOVED_VALUES = {
+    ("model.loss", "ce"): "torch.nn.CrossEntropyLoss",
+    ("model.loss", "bce"): "lightning_modules.losses.BinaryCrossEntropy",
+}
+
+
+def moved_value_message(message: str) -> str | None:
+    """`--model.loss bce` (a name that is now a class_path): one line naming the class to give instead."""
+    key = re.match(r'Parser key "([^"]+)":', message)
+    value = re.search(r"Given value: (\S+)\s*$", message)
+    new = MOVED_VALUES.get((key.group(1), value.group(1))) if key and value else None
+    return f"{key.group(1)}={value.group(1)} moved: give the class, --{key.group(1)} {new}" if new else None
 
 
 def unknown_keys_message(message: str, parser) -> str:
@@ -107,6 +130,9 @@ def unknown_keys_message(message: str, parser) -> str:
         return message
     hints = []
     for key in unknown:
+        if key in MOVED_KEYS:
+            hints.append(f"--{key} moved to --{MOVED_KEYS[key]}")
+            continue
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
         hints.append(f"--{key} is not an option" + (f"; did you mean {', '.join('--' + c for c in close)}?"
                                                       if close else ""))

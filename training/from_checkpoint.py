@@ -211,9 +211,9 @@ def check_resume_overrides(saved: SavedRun, model, explicit_model: set[str] | No
     for key in sorted(explicit_model or ()):
         if key in RESUME_MAY_CHANGE or key not in saved.model:
             continue
-        new, old = model.get(key), saved.model[key]
-        if not _equal(new, old):
-            changed.append(f"model.{key}={new} (the checkpoint's: {old})")
+        new, old = _flat(model.get(key), f"model.{key}"), _flat(saved.model[key], f"model.{key}")
+        changed += [f"{k}={new.get(k)} (the checkpoint's: {old.get(k)})" for k in sorted(new.keys() | old.keys())
+                    if not _equal(new.get(k), old.get(k))]
     if changed:
         raise NotTheSameRunError(
             f"{how}: {'; '.join(changed)}: a resumed fit continues {run_folder(saved)} as it was trained, so the "
@@ -260,6 +260,15 @@ def _same_path(a, b) -> bool:
     if "://" in a or "://" in b:
         return a.rstrip("/") == b.rstrip("/")
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _flat(value, key: str) -> dict[str, Any]:
+    """{dotted key: leaf} of a value that may be a nested config (a Namespace or dict: an injected part's
+    class_path and init_args), so that a difference is named by its leaf."""
+    value = value.as_dict() if hasattr(value, "as_dict") else value
+    if isinstance(value, Mapping) and value:
+        return {k: v for sub, item in value.items() for k, v in _flat(item, f"{key}.{sub}").items()}
+    return {key: value}
 
 
 def _equal(a, b) -> bool:
