@@ -1,0 +1,48 @@
+"""imgcls's announcements (Lightning's `rank_zero_info` lines: precision, resume, run directory, scan cache) reach the
+tests' caplog whatever ran before in the same process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Two tests in this order, in one pytest process with this suite's conftest: the first leaves Lightning's logger as
+# Lightning's import leaves it without a root handler (not propagating) and as the loop-overhead benchmark's quick
+# run left it (at ERROR); the second is a caplog check of an announcement, as tests/test_hardware.py makes.
+ORDER = textwrap.dedent('''
+    import logging
+
+    from datamodules import hardware
+    from training.trainer import Trainer
+
+
+    def test_something_quiets_lightning():
+        logger = logging.getLogger("lightning.pytorch")
+        logger.propagate = False
+        logger.setLevel(logging.ERROR)
+
+
+    def test_the_next_one_still_sees_the_announcement(caplog):
+        with caplog.at_level(logging.INFO):
+            Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+        precision, why = hardware.choose_precision(hardware.detect(), "cpu")
+        assert [m for m in caplog.messages if m.startswith("precision: ")] == [f"precision: {precision} ({why})"]
+''')
+
+
+def test_an_announcement_reaches_caplog_whatever_ran_before_it(tmp_path):
+    (tmp_path / "test_order.py").write_text(ORDER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    # In tmp_path, away from pyproject.toml's options (no xdist): one process runs both, in the file's order.
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                             "--rootdir", str(tmp_path), "-q", "test_order.py"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+
