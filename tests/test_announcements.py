@@ -1,5 +1,6 @@
 """imgcls's announcements (Lightning's `rank_zero_info` lines: precision, resume, run directory, scan cache) reach the
-tests' caplog whatever ran before in the same process."""
+tests' caplog whatever ran before in the same process, and an `imgcls` process prints each once, on stderr, whatever
+logging it had when Lightning was imported."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def test_an_announcement_reaches_caplog_whatever_ran_before_it(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
 
+
+def test_an_imgcls_process_prints_each_announcement_once_even_with_logging_configured_first():
+    """Lightning leaves its lines to the root logger's handlers where it finds one on import (here basicConfig's, as a
+    sitecustomize may set up), and its `lightning` logger prints each again as "INFO: ...". training/startup.py
+    prints them as a fresh process does: bare, once."""
+    code = textwrap.dedent('''
+        import logging
+        logging.basicConfig()
+        import lightning.pytorch
+        from lightning.pytorch.utilities import rank_zero_info
+        from training.startup import console
+        console()
+        rank_zero_info("precision: 32-true (why)")
+    ''')
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if "precision" in line] == ["precision: 32-true (why)"]
