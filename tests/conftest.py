@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 
@@ -28,7 +29,40 @@ def _restore_environ():
     os.environ.update(saved)
 
 
+# The loggers imgcls announces through: `rank_zero_info` (precision, resume, run directory, scan cache) logs to
+# lightning.pytorch's; Lightning's own lines go to lightning.fabric's too.
+ANNOUNCERS = ("lightning.pytorch", "lightning.fabric")
+
+
+def _announcements_to_root() -> None:
+    """imgcls's announcements reach the root logger, where pytest's handlers (caplog's among them) are, at INFO.
+
+    Left alone they reach caplog only by chance: Lightning's import, here in this file's imports, makes its loggers
+    non-propagating with a console handler of their own (the root logger has none yet), and what a test then sees
+    depended on the pytest version (9.2 attaches its handlers to non-propagating loggers, earlier ones never) and
+    on what ran before in the same worker (the loop-overhead benchmark's quick run set lightning.pytorch to ERROR,
+    and every caplog check after it on that worker failed). Propagating, as Lightning sets them up itself when the
+    root logger has a handler on import, they reach caplog once and the same way in every order."""
+    for name in ANNOUNCERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.propagate = True
+
+
+@pytest.fixture(autouse=True)
+def _announcements_reach_caplog():
+    """Each test starts with the announcements routed as _announcements_to_root says, whatever a test or an in-process
+    benchmark before it did to those loggers."""
+    _announcements_to_root()
+
+
 def pytest_configure(config):
+    # Before pytest's first capture: one that began while a logger did not propagate keeps its handler on it too.
+    _announcements_to_root()
+    _threads_per_worker()
+
+
+def _threads_per_worker() -> None:
     """A worker of `-n N` computes with its share of the cores. Torch's default, a thread per core in every worker,
     makes each in-process op wait on threads whose cores the other workers hold: the quick benchmarks took 10x longer
     beside one busy core. Subprocesses get one thread from cli_env; those started with os.environ (the benchmarks'

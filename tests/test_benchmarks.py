@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -92,6 +93,20 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     assert [r[0] for r in distributed[1:5]] == ["none", "fp16", "bf16", "powersgd"]
     ratios = {r[0]: _num(r[4]) for r in distributed[1:5]}  # bytes all-reduced vs none, counted on ResNet50
     assert ratios["fp16"] == ratios["bf16"] == 0.5 and ratios["powersgd"] <= 0.05
+
+
+def test_the_loop_benchmark_quiets_lightning_only_while_it_measures(monkeypatch):
+    """benchmarks.run (and the quick run above) call it in a process that goes on: left at ERROR, Lightning's logger
+    dropped every later announcement there, and the caplog checks of the tests after it on that worker failed."""
+    from benchmarks import loop_overhead
+
+    lightning_log = logging.getLogger("lightning.pytorch")
+    levels = []
+    monkeypatch.setattr(loop_overhead, "measure", lambda *setting: levels.append(lightning_log.level) or {})
+    before = lightning_log.level
+    loop_overhead.main(quick=True)
+    assert levels == [logging.ERROR]
+    assert lightning_log.level == before
 
 
 def test_interleaved_takes_medians_round_robin():

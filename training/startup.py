@@ -9,6 +9,13 @@ leave behind (~13,000 objects, a few MB), which is kept instead of collected. Ob
 Trainer, the model, the loaders) are collected as usual, and a forked loader worker shares the frozen ones' pages
 with its parent, since the collector no longer writes to them.
 
+After the imports, `done` also fixes where the run's announcements go: Lightning's `rank_zero_info` lines (the
+precision, the resume, the run directory and the others imgcls prints) are printed on stderr, once each, as bare lines.
+Lightning decides that on import: where the root logger has no handler then (a fresh `imgcls` process), it gives
+its loggers a console handler of their own and stops them propagating; where it has one (a sitecustomize or a
+library imported first that configured logging), it leaves the lines to the root logger's handlers, in their format,
+and its `lightning` logger prints each a second time as "INFO: ...". `console` makes the first case the only one.
+
 `imgcls` (the console script) runs `main` here; `python -m training.cli` calls `begin` and `done` around its own
 imports. Code that imports `training.cli` as a library (tests, notebooks) is left alone.
 """
@@ -16,6 +23,10 @@ imports. Code that imports `training.cli` as a library (tests, notebooks) is lef
 from __future__ import annotations
 
 import gc
+import logging
+
+# The loggers of the announcements: `rank_zero_info` logs to lightning.pytorch's, Lightning's Fabric to its own.
+ANNOUNCERS = ("lightning.pytorch", "lightning.fabric")
 
 
 def begin() -> None:
@@ -24,9 +35,21 @@ def begin() -> None:
 
 
 def done() -> None:
-    """After the imports: what they built frozen, the collector back on for what the run builds."""
+    """After the imports: what they built frozen, the collector back on for what the run builds, the announcements
+    on the console."""
     gc.freeze()
     gc.enable()
+    console()
+
+
+def console() -> None:
+    """The announcements on stderr, as Lightning prints them where the root logger had no handler on its import."""
+    for name in ANNOUNCERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        if logger.propagate:  # Lightning found the root logger configured: its lines were left to it
+            logger.addHandler(logging.StreamHandler())
+            logger.propagate = False
 
 
 def main() -> None:
