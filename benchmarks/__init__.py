@@ -1,2 +1,3 @@
-"""Benchmarks of imgcls against plain baselines, run by `make bench`: results go to benchmarks/results/*.json, and
-benchmarks/figures.py renders docs/PERFORMANCE.md and the figures quoted in the docs from them."""
+"""Benchmarks of imgcls against plain baselines, run by `make bench`: results go to
+benchmarks/results/machines/<machine>/*.json, and benchmarks/figures.py renders docs/PERFORMANCE.md and the figures
+quoted in the docs from them."""

@@ -2,17 +2,23 @@
 quoted in README.md and docs/*.md between markers.
 
     python -m benchmarks.figures            # rewrite docs/PERFORMANCE.md and the marked figures
-    python -m benchmarks.figures --check    # rewrite nothing; list what differs from benchmarks/results/*.json
+    python -m benchmarks.figures --check    # rewrite nothing; list what differs from the stored results
 
 `make bench` runs it after measuring. A quoted figure is marked, and only what stands between the markers is
 rewritten (a figure may span lines, a table for instance: then the markers stand on lines of their own):
 
     Lightning's step took <!-- figure: loop_overhead.ratio_224px -->1.02x<!-- /figure --> the plain loop's
 
-The key is SECTION.NAME: SECTION a file benchmarks/results/SECTION.json, NAME one of the figures that
-benchmarks/SECTION.py's `figures(results)` returns, or `cpu` (the machine it ran on), `picks` (what `auto` picks
-there), `date` or `took`, which every section has. tests/test_figures.py fails when a document differs from what this
-renders, when a marker names a key no result provides, and when a measured figure stands outside a marker.
+Results are kept per machine: benchmarks/results/machines/<machine>/<section>.json, one record per section and
+machine (`store`), so a run on one machine never replaces what another measured, and a skipped run (a GPU section on
+a CPU) never replaces a measured one. docs/PERFORMANCE.md shows each section's rows for every machine that measured
+it, each with its machine line and date.
+
+The key is SECTION.NAME: SECTION one of SECTIONS, NAME one of the figures that benchmarks/SECTION.py's
+`figures(results)` returns, or `cpu` (the machine it ran on), `picks` (what `auto` picks there), `date` or `took`,
+which every section has. A key quotes the section's primary record: its newest full measured one.
+tests/test_figures.py fails when a document differs from what this renders, when a marker names a key no result
+provides, when a measured figure stands outside a marker, and when a render would drop a machine's records.
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ INTRO = """# Performance
 
 Every figure below is a ratio against a baseline measured in the same run, because the machine that produced them
 may be shared: loader, loop and lever candidates are interleaved and their medians taken; the two time-to-accuracy
-runs go one after the other, so other load during one of them skews that ratio. Each section's results are stored in
-`benchmarks/results/<section>.json`, and this page, like every figure quoted in README.md and docs/, is rendered from
-those files by `python -m benchmarks.figures`. Regenerate with `make bench` (`make bench-quick` only checks that the
+runs go one after the other, so other load during one of them skews that ratio. Each section's results are stored
+per machine in `benchmarks/results/machines/<machine>/<section>.json`, a section shows every machine that measured
+it, and this page, like every figure quoted in README.md and docs/, is rendered from those files by
+`python -m benchmarks.figures`. Regenerate with `make bench` (`make bench-quick` only checks that the
 benchmarks run, under runs/bench-quick/; `python -m benchmarks.run --only NAME` re-measures one section and keeps
 the others' results). Each section names the command that reproduces it alone, and the machine it ran on: CPU
 model, the flags that decide its levers (avx2, avx512f, avx512_bf16, amx_tile) and cores. A lever's gain depends on
@@ -53,9 +60,46 @@ machine line.
 """
 
 
+def machine_slug(machine: dict) -> str:
+    """The folder of a machine's records: its GPU model or CPU kind, CPU model and cores, e.g.
+    `avx2-cpu-amd-epyc-2-cores`, `nvidia-h100-80gb-hbm3-intel-r-xeon-r-processor-16-cores`."""
+    name = f"{machine.get('cuda') or machine['cpu_kind']} {machine['cpu_model']} {machine['cores']} cores"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def measured(record: dict) -> bool:
+    return "skipped" not in record["results"]
+
+
+def store(record: dict, results: Path = RESULTS) -> Path | None:
+    """Write `record` as its machine's record of its section; None (nothing written) for a skipped run where this
+    section has a measured record on any machine."""
+    section = record["section"]
+    if not measured(record) and any(measured(r) for r in load_all(results).get(section, [])):
+        return None
+    path = results / "machines" / machine_slug(record["machine"]) / f"{section}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def load_all(results: Path = RESULTS) -> dict[str, list[dict]]:
+    """Section name -> every machine's record of it, primary first (measured before skipped, full before quick,
+    newest first), for the sections that have one."""
+    found: dict[str, list[dict]] = {}
+    for path in sorted((results / "machines").glob("*/*.json")):
+        record = json.loads(path.read_text())
+        if record.get("section") in SECTIONS:
+            found.setdefault(record["section"], []).append(record)
+    for records in found.values():
+        records.sort(key=lambda r: r["started"], reverse=True)
+        records.sort(key=lambda r: (not measured(r), r["mode"] != "full"))
+    return {name: found[name] for name in SECTIONS if name in found}
+
+
 def load(results: Path = RESULTS) -> dict[str, dict]:
-    """Section name -> its stored run (`benchmarks.run.measure`'s record), for the sections that have one."""
-    return {name: json.loads(path.read_text()) for name in SECTIONS if (path := results / f"{name}.json").is_file()}
+    """Section name -> its primary record (`load_all`'s first): what a marked figure quotes."""
+    return {name: records[0] for name, records in load_all(results).items()}
 
 
 def _module(name: str):
@@ -68,27 +112,37 @@ def duration(seconds: float | None) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
 
 
-def section(name: str, run: dict | None) -> str:
-    """The Markdown section of one benchmark: its tables and text, the settings, the machine and the time."""
+def section(name: str, runs: dict | list[dict] | None) -> str:
+    """The Markdown section of one benchmark: for each machine that measured it (or the one that skipped it), its
+    tables and text, the settings, the machine line and the time."""
     module = _module(name)
-    if run is None:
-        return (f"## {module.TITLE}\n\nNot measured: no benchmarks/results/{name}.json (`python -m benchmarks.run "
-                f"--only {name}`).\n")
-    results = run["results"]
-    if "skipped" in results:
-        body, settings = f"Not measured: {results['skipped']}.", "Skipped"
-    else:
-        body, settings = module.render(results)
-    return (f"## {module.TITLE}\n\n{body}\n\n_{settings}. `python -m benchmarks.{name}`. "
-            f"Machine: {run['machine']['line']}._\n\n_Took {duration(run['seconds'])} ({run['mode']} mode)._\n")
+    runs = [runs] if isinstance(runs, dict) else [r for r in runs or [] if measured(r)] or (runs or [])[:1]
+    if not runs:
+        return (f"## {module.TITLE}\n\nNot measured: no record in benchmarks/results/machines/ (`python -m "
+                f"benchmarks.run --only {name}`).\n")
+    parts = [f"## {module.TITLE}\n"]
+    for run in runs:
+        if len(runs) > 1:
+            parts.append(f"### On {run['machine']['cpu']}\n")
+        if measured(run):
+            body, settings = module.render(run["results"])
+        else:
+            body, settings = f"Not measured: {run['results']['skipped']}.", "Skipped"
+        if run.get("restored"):
+            settings += f" ({run['restored']})"
+        parts.append(f"{body}\n\n_{settings}. `python -m benchmarks.{name}`. Machine: {run['machine']['line']}._\n\n"
+                     f"_Took {duration(run['seconds'])} ({run['mode']} mode)._\n")
+    return "\n".join(parts)
 
 
-def header(runs: dict[str, dict]) -> str:
+def header(all_runs: dict[str, list[dict]]) -> str:
     """What the page was measured on, when, and how long the measuring took: from the sections' own records."""
     by_machine: dict[str, list[str]] = {}
-    for name, run in runs.items():
-        by_machine.setdefault(f"{run['machine']['cpu']}; torch {run['machine']['torch']}", []).append(
-            _module(name).TITLE)
+    for name, records in all_runs.items():
+        for run in records:
+            by_machine.setdefault(f"{run['machine']['cpu']}; torch {run['machine']['torch']}", []).append(
+                _module(name).TITLE)
+    runs = {f"{name}/{i}": run for name, records in all_runs.items() for i, run in enumerate(records)}
     modes = sorted({run["mode"] for run in runs.values()})
     started = sorted(run["started"] for run in runs.values())
     lines = [f"Rendered from the sections' result files, {' and '.join(modes)} mode"
@@ -100,19 +154,21 @@ def header(runs: dict[str, dict]) -> str:
                      + "; ".join(f"{m}: {', '.join(titles)}" for m, titles in by_machine.items()) + ").")
     timed = [run["seconds"] for run in runs.values() if run["seconds"] is not None]
     if started:
-        untimed = [_module(name).TITLE for name, run in runs.items() if run["seconds"] is None]
+        untimed = list(dict.fromkeys(_module(key.split("/")[0]).TITLE for key, run in runs.items()
+                                     if run["seconds"] is None))
         lines.append(f"The sections ran one at a time between {started[0]} and {started[-1]}, "
                      f"{duration(sum(timed))} in all (the sum of their times"
                      + (f"; not recorded for {', '.join(untimed)}" if untimed else "") + ").")
-    missing = [_module(name).TITLE for name in SECTIONS if name not in runs]
+    missing = [_module(name).TITLE for name in SECTIONS if name not in all_runs]
     if missing:
         lines.append(f"No results yet: {', '.join(missing)}.")
     return " ".join(lines)
 
 
-def performance(runs: dict[str, dict]) -> str:
-    """docs/PERFORMANCE.md: the introduction, the header and every section, from the stored runs."""
-    return INTRO + "\n" + header(runs) + "\n\n" + "\n".join(section(name, runs.get(name)) for name in SECTIONS)
+def performance(all_runs: dict[str, list[dict]]) -> str:
+    """docs/PERFORMANCE.md: the introduction, the header and every section, from every machine's stored records."""
+    return INTRO + "\n" + header(all_runs) + "\n\n" + "\n".join(section(name, all_runs.get(name))
+                                                                   for name in SECTIONS)
 
 
 def figures(runs: dict[str, dict]) -> dict[str, str]:
@@ -163,10 +219,10 @@ def documents() -> list[Path]:
 
 def rendered(results: Path = RESULTS, out: Path = PERFORMANCE, docs: bool = True) -> dict[Path, str]:
     """Each file as it should read: `out` rendered from `results`, and (`docs`) the documents with their markers."""
-    runs = load(results)
-    files = {out: performance(runs)}
+    all_runs = load_all(results)
+    files = {out: performance(all_runs)}
     if docs:
-        known = figures(runs)
+        known = figures({name: records[0] for name, records in all_runs.items()})
         files |= {path: quote(path.read_text(), known, str(path.relative_to(ROOT))) for path in documents()}
     return files
 

@@ -146,10 +146,9 @@ def restored() -> None:
     """`--stored`: the section's record with every machine now in benchmarks/results/hardware/, re-rendered."""
     from benchmarks import figures as rendering
 
-    path = rendering.RESULTS / "hardware.json"
-    record = json.loads(path.read_text())
+    record = rendering.load()["hardware"]
     record["results"]["machines"] = stored()
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    rendering.store(record)
     rendering.main()
 
 

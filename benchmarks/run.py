@@ -4,8 +4,9 @@
     python -m benchmarks.run --only NAME ...    # re-measure these sections, keeping the others' stored results
     python -m benchmarks.run --quick            # tiny sizes, only to check that everything runs
 
-A full run writes benchmarks/results/<section>.json (the record below: the section's results, the machine, the date
-and the seconds it took), then `benchmarks.figures` renders docs/PERFORMANCE.md and the figures quoted in README.md
+A full run writes benchmarks/results/machines/<machine>/<section>.json (the record below: the section's results, the
+machine, the date and the seconds it took; other machines' records stay, and a skipped run never replaces a measured
+one), then `benchmarks.figures` renders docs/PERFORMANCE.md and the figures quoted in README.md
 and docs/ from those files. A quick run writes its records and its page under runs/bench-quick/ (or beside --out),
 never over the committed ones.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import time
 import traceback
 from datetime import UTC, datetime
@@ -54,8 +54,8 @@ def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (
             failed.append(f"benchmarks.{name} failed:\n{traceback.format_exc(limit=5)}")
             print(failed[-1], flush=True)
             continue
-        results.mkdir(parents=True, exist_ok=True)
-        (results / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+        if figures.store(record, results) is None:
+            print(f"benchmarks.{name}: {record['results']['skipped']}; the measured records are kept", flush=True)
         print(figures.section(name, record), flush=True)
     figures.main(results, out, docs=results == figures.RESULTS)
     if failed:

@@ -35,7 +35,7 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     committed = {p: p.read_bytes() for p in [*figures.RESULTS.rglob("*.json"), figures.PERFORMANCE]}
     out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md")  # raises if a section failed
     assert {p: p.read_bytes() for p in committed} == committed, "a quick run rewrote the committed results"
-    records = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results").glob("*.json")}
+    records = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results" / "machines").glob("*/*.json")}
     assert set(records) == set(figures.SECTIONS)
     assert all(r["mode"] == "quick" and r["seconds"] >= 0 and r["machine"]["cpu"] for r in records.values())
     text = out.read_text()

@@ -1,5 +1,6 @@
-"""Every published figure comes from benchmarks/results/*.json: docs/PERFORMANCE.md is what benchmarks.figures
-renders, and each figure quoted in README.md and docs/*.md stands between markers and equals its result."""
+"""Every published figure comes from benchmarks/results/machines/*/*.json, each machine's records kept:
+docs/PERFORMANCE.md is what benchmarks.figures renders, and each figure quoted in README.md and docs/*.md stands
+between markers and equals its result."""
 
 from __future__ import annotations
 
@@ -17,20 +18,26 @@ def runs() -> dict[str, dict]:
     return figures.load()
 
 
+@pytest.fixture(scope="module")
+def all_runs() -> dict[str, list[dict]]:
+    return figures.load_all()
+
+
 def _diff(old: str, new: str, name: str) -> str:
     return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), name, "rendered", n=1))[:4000]
 
 
-def test_result_files_are_full_runs_that_name_their_machine(runs):
-    assert set(runs) == set(figures.SECTIONS), f"no result file for {set(figures.SECTIONS) - set(runs)}"
-    for name, run in runs.items():
-        assert RECORD_KEYS <= set(run), f"{name}.json lacks {RECORD_KEYS - set(run)}"
-        assert run["section"] == name and run["mode"] == "full", f"{name}.json holds a {run['mode']} run"
-        assert run["machine"]["cpu"] and run["machine"]["cpu"] in run["machine"]["line"], name
+def test_result_files_are_full_runs_that_name_their_machine(all_runs):
+    assert set(all_runs) == set(figures.SECTIONS), f"no result file for {set(figures.SECTIONS) - set(all_runs)}"
+    for name, records in all_runs.items():
+        for run in records:
+            assert RECORD_KEYS <= set(run), f"{name}.json lacks {RECORD_KEYS - set(run)}"
+            assert run["section"] == name and run["mode"] == "full", f"{name}.json holds a {run['mode']} run"
+            assert run["machine"]["cpu"] and run["machine"]["cpu"] in run["machine"]["line"], name
 
 
-def test_performance_md_is_what_the_results_render(runs):
-    expected = figures.performance(runs)
+def test_performance_md_is_what_the_results_render(all_runs):
+    expected = figures.performance(all_runs)
     actual = figures.PERFORMANCE.read_text()
     assert actual == expected, ("docs/PERFORMANCE.md differs from benchmarks/results/ (python -m benchmarks.figures):\n"
                                 + _diff(actual, expected, "docs/PERFORMANCE.md"))
@@ -45,12 +52,54 @@ def test_quoted_figures_equal_their_results(path, runs):
     assert not figures.unmarked(text), f"{path.name}: measured figures outside a marker: {figures.unmarked(text)}"
 
 
-def test_header_agrees_with_the_sections(runs):
-    head = figures.header(runs)
-    total = sum(run["seconds"] for run in runs.values() if run["seconds"] is not None)
+def test_header_agrees_with_the_sections(all_runs):
+    head = figures.header(all_runs)
+    records = [run for runs in all_runs.values() for run in runs]
+    total = sum(run["seconds"] for run in records if run["seconds"] is not None)
     assert figures.duration(total) + " in all" in head
-    assert all(run["machine"]["cpu"] in head for run in runs.values()), head
-    assert min(run["started"] for run in runs.values()) in head and max(run["started"] for run in runs.values()) in head
+    assert all(run["machine"]["cpu"] in head for run in records), head
+    assert min(run["started"] for run in records) in head and max(run["started"] for run in records) in head
+
+
+def test_every_machines_stored_record_is_on_the_page(all_runs):
+    """A render that dropped a machine's figures (as a CPU run once replaced the H100's) fails here."""
+    page = figures.PERFORMANCE.read_text()
+    for name, records in all_runs.items():
+        for run in (r for r in records if figures.measured(r)):
+            body, _ = figures._module(name).render(run["results"])
+            assert f"Machine: {run['machine']['line']}._" in page and body in page, (name, run["machine"]["cpu"])
+    gpu = [r for r in all_runs["gpu_throughput"] if r["machine"].get("cuda") == "NVIDIA H100 80GB HBM3"]
+    assert gpu and figures.measured(gpu[0]) and "restored from docs/PERFORMANCE.md" in gpu[0]["restored"]
+
+
+def _record(section: str, kind: str, flags: dict, results: dict, started: str, cuda: str | None = None) -> dict:
+    machine = {"line": f"AMD EPYC ({kind}); torch 2.14.1", "cpu": f"AMD EPYC ({kind})", "cpu_model": "AMD EPYC",
+               "cpu_kind": kind, "cpu_flags": flags, "cores": 2, "cuda": cuda, "torch": "2.14.1", "threads": 2}
+    return {"section": section, "mode": "full", "started": started, "seconds": 1.0, "machine": machine,
+            "results": results}
+
+
+def test_a_run_keeps_every_other_machines_record_and_a_skip_never_replaces_a_measured_one(tmp_path):
+    avx2 = {"avx2": True, "avx512f": False, "avx512_bf16": False, "amx_tile": False, "amx_bf16": False}
+    bf16 = {**avx2, "avx512f": True, "avx512_bf16": True}
+    gpu = _record("gpu_throughput", "bf16 CPU", bf16, {"device": "H", "batch": 2, "steps": 1, "img_s": {"a": 9.0},
+                  "flop_per_image": 1e9, "peak_flops": None, "augment_img_s": 3.0}, "2026-01-01 00:00 UTC", cuda="H")
+    skipped = _record("gpu_throughput", "AVX2 CPU", avx2, {"skipped": "no CUDA device on this machine"},
+                      "2026-02-01 00:00 UTC")
+    assert figures.store(gpu, tmp_path) is not None
+    assert figures.store(skipped, tmp_path) is None  # newer, but skipped: the measured record stays the only one
+    assert figures.load_all(tmp_path)["gpu_throughput"] == [gpu]
+    first = _record("startup", "AVX2 CPU", avx2, {}, "2026-01-01 00:00 UTC")
+    second = _record("startup", "bf16 CPU", bf16, {}, "2026-02-01 00:00 UTC")
+    figures.store(first, tmp_path)
+    figures.store(second, tmp_path)
+    assert figures.load_all(tmp_path)["startup"] == [second, first]  # both kept, the newest is primary
+    other = _record("gpu_throughput", "AVX2 CPU", avx2, {**gpu["results"], "device": "G", "img_s": {"a": 7.0}},
+                    "2026-03-01 00:00 UTC", cuda="G")
+    figures.store(other, tmp_path)
+    page = figures.section("gpu_throughput", figures.load_all(tmp_path)["gpu_throughput"])
+    assert "| a | 9 |" in page and "| a | 7 |" in page and "no CUDA device" not in page  # both GPUs' rows
+    assert page.count("_Took ") == 2 and page.index(other["machine"]["line"]) < page.index(gpu["machine"]["line"])
 
 
 def test_a_stale_figure_is_rewritten_and_an_unknown_key_is_an_error():
