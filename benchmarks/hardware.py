@@ -1,16 +1,15 @@
 """Hardware: what this machine's CPU can do, and the quickstart's training step in each precision and memory format.
 
-    python -m benchmarks.hardware [--quick | --stored]
+    python -m benchmarks.hardware [--quick]
 
-Each full run stores its machine's figures in benchmarks/results/hardware/<machine>.json; the section shows every
-machine stored there, one row each, named by its CPU model and flags, so figures from a bf16 CPU and an AVX2-only CPU
-sit side by side and never mix (copy another machine's file there to compare; `--stored` re-renders without
-measuring). The last columns say what `auto` picks on that machine (core/hardware.py).
+Each full run stores its machine's record like every section (benchmarks/results/machines/<machine>/hardware.json);
+the section shows every machine stored there, named by its CPU model and flags, so figures from a bf16 CPU and an
+AVX2-only CPU sit side by side and never mix. The last columns say what `auto` picks on that machine
+(core/hardware.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +21,6 @@ from core import hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = "Hardware"
-RESULTS = ROOT / "benchmarks" / "results" / "hardware"
 # (precision, memory format) -> train_step options; fp32 NCHW is the baseline of each machine's ratios.
 COMBOS = {
     "fp32, NCHW": {},
@@ -68,7 +66,10 @@ def slug(entry: dict) -> str:
 
 
 def stored() -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    """Every machine's entry, from the section's stored records."""
+    from benchmarks import figures as rendering
+
+    return [entry for record in rendering.load_all().get("hardware", []) for entry in record["results"]["machines"]]
 
 
 def picks(entry: dict) -> str:
@@ -113,12 +114,8 @@ def main(quick: bool = False) -> dict:
     recipe = quickstart_recipe()
     if quick:
         recipe.update(arch="resnet18", image_size=32, batch_size=2)
-    entry = record(recipe, measure(recipe, reps=1 if quick else 5, hw=hw))  # emulated bf16: ~30 s a step
-    if quick:  # checks only: stored figures are full-size runs
-        return {"machines": [entry], "measured": slug(entry)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{slug(entry)}.json").write_text(json.dumps(entry, indent=2) + "\n")
-    return {"machines": stored(), "measured": slug(entry)}
+    entry = record(recipe, measure(recipe, reps=1 if quick else 5, hw=hw))  # emulated bf16: long steps
+    return {"machines": [entry], "measured": slug(entry)}
 
 
 def render(results: dict) -> tuple[str, str]:
@@ -130,8 +127,7 @@ def render(results: dict) -> tuple[str, str]:
     recipe = entries[0]["recipe"]
     return body, (f"{recipe['arch']} + {recipe['head_hidden']}-unit head, {recipe['image_size']} px, batch "
                   f"{recipe['batch_size']}, {recipe['optimizer']} (the optimizer implementation `auto` picks), "
-                  "synthetic batches, medians of interleaved steps; one row per machine stored in "
-                  "benchmarks/results/hardware/")
+                  "synthetic batches, medians of interleaved steps")
 
 
 def figures(results: dict) -> dict[str, str]:
@@ -142,20 +138,5 @@ def figures(results: dict) -> dict[str, str]:
             "machine": entry["machine"]}
 
 
-def restored() -> None:
-    """`--stored`: the section's record with every machine now in benchmarks/results/hardware/, re-rendered."""
-    from benchmarks import figures as rendering
-
-    record = rendering.load()["hardware"]
-    record["results"]["machines"] = stored()
-    rendering.store(record)
-    rendering.main()
-
-
 if __name__ == "__main__":
-    import sys
-
-    if "--stored" in sys.argv[1:]:
-        restored()
-    else:
-        standalone("hardware", __doc__ + "\n--stored: render the stored machines only, measure nothing.")
+    standalone("hardware", __doc__)

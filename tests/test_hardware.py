@@ -198,7 +198,7 @@ def test_stated_bf16_cost_matches_the_recorded_benchmarks():
     from benchmarks import hardware as bench
 
     entries = [e for e in bench.stored() if not e["cpu_flags"]["avx512_bf16"] and not e["cpu_flags"]["amx_bf16"]]
-    assert entries, "benchmarks/results/hardware/ holds no CPU without native bf16"
+    assert entries, "benchmarks/results/machines/ holds no hardware record of a CPU without native bf16"
     stated = int(hardware.BF16_COST_WITHOUT_NATIVE.split("x")[0].strip("~"))
     for entry in entries:
         assert stated / 2 <= 1 / bench.bf16_speedup(entry) <= stated * 2, entry["machine"]
