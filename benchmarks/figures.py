@@ -33,10 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
+LEVERS = ROOT / "core" / "measured.json"  # what core/hardware.py quotes when it announces a lever, per CPU kind
 # The sections of docs/PERFORMANCE.md, in order: each a module benchmarks/<name>.py and a file results/<name>.json.
 SECTIONS = ("hardware", "startup", "input_pipeline", "shards", "scan_cache", "worker_memory", "loop_overhead",
             "compute_levers", "distributed", "fsdp_memory", "time_to_accuracy", "recipe", "gpu_throughput")
-MARKER = re.compile(r"<!-- figure: ([\w.]+) -->(.*?)<!-- /figure -->", re.S)
+MARKER = re.compile(r"<!-- figure: ([\w.@-]+) -->(.*?)<!-- /figure -->", re.S)
 OPENING = "<!-- figure:"
 CODE = re.compile(r"`[^`\n]*`")  # inline code: a marker written there is shown, not filled in
 # A code span or a marker, whichever starts first: a marker's own text may hold code spans (a table's options).
@@ -171,19 +172,51 @@ def performance(all_runs: dict[str, list[dict]]) -> str:
                                                                    for name in SECTIONS)
 
 
-def figures(runs: dict[str, dict]) -> dict[str, str]:
-    """Every quotable figure, keyed SECTION.NAME."""
+def kind_slug(machine: dict) -> str:
+    """A machine's kind in a marker key: its GPU model, else its CPU kind (`avx2-cpu`, `bf16-cpu`)."""
+    return re.sub(r"[^a-z0-9]+", "-", (machine.get("cuda") or machine["cpu_kind"]).lower()).strip("-")
+
+
+def figures(runs: dict[str, dict | list[dict]]) -> dict[str, str]:
+    """Every quotable figure: SECTION.NAME from the section's primary record, and SECTION@KIND.NAME from the newest
+    record of a kind of machine (`kind_slug`), for a sentence about that kind whichever machine measured last."""
     from benchmarks.hardware import picks
 
+    def of(run: dict) -> dict[str, str]:
+        found = {"cpu": run["machine"]["cpu"], "picks": picks(run["machine"]), "date": run["started"][:10],
+                 "took": duration(run["seconds"])}
+        if measured(run) and hasattr(_module(run["section"]), "figures"):
+            found |= _module(run["section"]).figures(run["results"])
+        return found
+
     found = {}
-    for name, run in runs.items():
-        found[f"{name}.cpu"] = run["machine"]["cpu"]
-        found[f"{name}.picks"] = picks(run["machine"])
-        found[f"{name}.date"] = run["started"][:10]
-        found[f"{name}.took"] = duration(run["seconds"])
-        if "skipped" not in run["results"] and hasattr(_module(name), "figures"):
-            found |= {f"{name}.{key}": value for key, value in _module(name).figures(run["results"]).items()}
+    for name, records in runs.items():
+        records = [records] if isinstance(records, dict) else records
+        found |= {f"{name}.{key}": value for key, value in of(records[0]).items()}
+        for run in reversed(records):  # oldest first: the newest of a kind wins
+            found |= {f"{name}@{kind_slug(run['machine'])}.{key}": value for key, value in of(run).items()}
     return found
+
+
+def lever_figures(all_runs: dict[str, list[dict]]) -> dict[str, dict[str, str]]:
+    """CPU kind -> the measured figures core/hardware.py quotes in the reasons it prints for `auto`'s choices, each
+    from that kind's newest full record: bf16 autocast and channels_last against fp32 NCHW (Hardware, the
+    quickstart's step), fused SGD against torch's loop (Compute levers, 224 px)."""
+    found: dict[str, dict[str, str]] = {}
+    for run in reversed(all_runs.get("hardware", [])):  # oldest first: the newest of a kind wins
+        if measured(run) and run["mode"] == "full":
+            img_s = run["results"]["machines"][0]["img_s"]
+            found.setdefault(run["machine"]["cpu_kind"], {}).update({
+                "bf16_vs_fp32": f"{img_s['bf16 autocast, channels_last'] / img_s['fp32, channels_last']:.2f}x",
+                "channels_last_vs_nchw": f"{img_s['fp32, channels_last'] / img_s['fp32, NCHW']:.2f}x"})
+    for run in reversed(all_runs.get("compute_levers", [])):
+        if measured(run) and run["mode"] == "full" and not run["machine"].get("cuda"):
+            large = max(run["results"]["settings"], key=lambda s: s["size"])
+            times = large["step_s"]
+            baseline = next(name for name in times if name.startswith("baseline"))
+            found.setdefault(run["machine"]["cpu_kind"], {})["fused_sgd_vs_loop"] = (
+                f"{times[baseline] / times['fused SGD']:.2f}x at {large['size']} px")
+    return dict(sorted(found.items()))
 
 
 def quote(text: str, known: dict[str, str], where: str) -> str:
@@ -222,7 +255,8 @@ def rendered(results: Path = RESULTS, out: Path = PERFORMANCE, docs: bool = True
     all_runs = load_all(results)
     files = {out: performance(all_runs)}
     if docs:
-        known = figures({name: records[0] for name, records in all_runs.items()})
+        files[LEVERS] = json.dumps(lever_figures(all_runs), indent=1) + "\n"
+        known = figures(all_runs)
         files |= {path: quote(path.read_text(), known, str(path.relative_to(ROOT))) for path in documents()}
     return files
 

@@ -11,6 +11,7 @@ stand in other machines with ``monkeypatch.setattr(hardware, "detect", lambda: .
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 from dataclasses import dataclass, field
@@ -21,10 +22,25 @@ import torch
 # /proc/cpuinfo flags that decide a lever; the hardware benchmark records the same ones.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# The quickstart's ResNet50 step under bf16 autocast against fp32, both channels_last, on a CPU without native bf16:
-# measured in benchmarks/hardware.py (docs/PERFORMANCE.md, "Hardware"); tests/test_hardware.py checks the factor in
-# this string against every stored result.
-BF16_COST_WITHOUT_NATIVE = "~10x slower than fp32"
+# What the benchmarks measured per CPU kind (bf16 autocast and channels_last against fp32 NCHW, fused SGD against
+# torch's loop): written by `python -m benchmarks.figures` from benchmarks/results/, never typed; the reasons quote it.
+MEASURED = Path(__file__).with_name("measured.json")
+
+
+@functools.cache
+def measured(kind: str) -> dict[str, str]:
+    """The figures stored for a CPU kind (`Hardware.cpu_kind()`), {} where none was measured."""
+    try:
+        return json.loads(MEASURED.read_text()).get(kind, {})
+    except (OSError, ValueError):
+        return {}
+
+
+def quoted(kind: str, key: str, what: str) -> str:
+    """`what` with its measured figure on this kind of CPU, or the plain fact that it was not measured there."""
+    figure = measured(kind).get(key)
+    return f"{what} {figure} on an {kind}" if figure and kind[0] in "AEIOU" else (
+        f"{what} {figure} on a {kind}" if figure else f"{what} not measured on a {kind}")
 
 
 @dataclass(frozen=True)
@@ -97,10 +113,11 @@ def choose_precision(hw: Hardware, device: str) -> tuple[str, str]:
         return "16-mixed", f"{hw.cuda or 'CUDA'}: fp16 autocast on tensor cores"
     if device == "cpu" and hw.native_bf16:
         flag = next(f for f in NATIVE_BF16_FLAGS if f in hw.cpu_flags)
-        return "bf16-mixed", f"this CPU has native bf16 ({flag}): ~2x fp32's speed"
+        return "bf16-mixed", f"this CPU has native bf16 ({flag}): " + quoted(hw.cpu_kind(), "bf16_vs_fp32",
+                                                                             "bf16 autocast's speed over fp32:")
     if device == "cpu":
-        return "32-true", ("this CPU has no native bf16, no avx512_bf16 or amx: bf16 autocast would be "
-                           f"{BF16_COST_WITHOUT_NATIVE}")
+        return "32-true", ("this CPU has no native bf16, no avx512_bf16 or amx: "
+                           + quoted(hw.cpu_kind(), "bf16_vs_fp32", "bf16 autocast's speed over fp32:"))
     return "32-true", f"no mixed precision measured on {device}"
 
 
@@ -109,7 +126,8 @@ def bf16_cost_warning(hw: Hardware, device: str, precision: str) -> str | None:
     if device != "cpu" or hw.native_bf16 or not str(precision).startswith("bf16"):
         return None
     return (f"precision {precision} on a CPU without native bf16 ({hw.cpu_model}; no avx512_bf16/amx): "
-            f"expect {BF16_COST_WITHOUT_NATIVE}; precision auto picks 32-true here")
+            + quoted(hw.cpu_kind(), "bf16_vs_fp32", "bf16 autocast's speed over fp32:")
+            + "; precision auto picks 32-true here")
 
 
 def choose_channels_last(hw: Hardware, device: str) -> tuple[bool, str]:
@@ -117,7 +135,8 @@ def choose_channels_last(hw: Hardware, device: str) -> tuple[bool, str]:
     if device == "cuda":
         return True, "NHWC convolutions on tensor cores"
     if device == "cpu" and "avx2" in hw.cpu_flags:
-        return True, "oneDNN's NHWC convolutions, ~1.2x fp32 on an AVX2 CPU"
+        return True, "oneDNN's NHWC convolutions: " + quoted(hw.cpu_kind(), "channels_last_vs_nchw",
+                                                              "channels_last's speed over NCHW (fp32):")
     return False, f"not measured on a {hw.cpu_kind() if device == 'cpu' else device}"
 
 
@@ -137,9 +156,9 @@ def choose_optimizer_impl(hw: Hardware, device: str) -> tuple[str, str]:
     if device == "cuda":
         return "fused", "one optimizer kernel for all parameters on CUDA"
     if device == "cpu" and "avx2" in hw.cpu_flags:
-        # Fused SGD against torch's loop: benchmarks/compute_levers.py (docs/PERFORMANCE.md, "Compute levers").
-        # AdamW's fused kernel against its loop is in no stored benchmark result.
-        return "fused", "vectorised CPU kernel, ~5x torch's loop for AdamW on an AVX2 CPU"
+        # AdamW's fused kernel against its loop is in no stored benchmark result: only SGD's is quoted.
+        return "fused", "one vectorised kernel for all parameters: " + quoted(
+            hw.cpu_kind(), "fused_sgd_vs_loop", "fused SGD's speed over torch's loop:")
     return "default", f"not measured on a {hw.cpu_kind() if device == 'cpu' else device}"
 
 

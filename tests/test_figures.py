@@ -123,3 +123,17 @@ def test_unmarked_finds_typed_figures_but_not_code_or_marked_ones():
         assert figures.unmarked(typed), typed
     assert not figures.unmarked("```\nbf16 ~10x slower\n```\n`--x 2x` and <!-- figure: a.b -->2.06x<!-- /figure -->")
     assert not figures.unmarked("a (64 + 147) x 4 matrix, 10% of train/, every 30 s, 224 px")
+
+
+def test_the_figures_imgcls_announces_are_the_stored_ones(all_runs):
+    """core/measured.json, which core/hardware.py quotes in the reasons it prints, is rendered from the results."""
+    import json
+
+    assert figures.LEVERS.read_text() == json.dumps(figures.lever_figures(all_runs), indent=1) + "\n"
+    assert figures.lever_figures(all_runs)["AVX2 CPU"]["bf16_vs_fp32"].endswith("x")
+
+
+def test_a_marker_can_name_the_kind_of_machine_it_speaks_of(all_runs):
+    known = figures.figures(all_runs)
+    assert known["hardware@avx2-cpu.machine"].startswith("AMD EPYC (avx2, no avx512_bf16/amx)")
+    assert known["gpu_throughput@nvidia-h100-80gb-hbm3.cpu"].endswith("CUDA NVIDIA H100 80GB HBM3")
