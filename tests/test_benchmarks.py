@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from benchmarks import figures, run, worker_memory
+from benchmarks import figures, gpu_end_to_end, run, worker_memory
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
 
@@ -64,6 +64,10 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     memory = tables["Loader-worker memory"]
     assert [r[0] for r in memory[1:5]] == [worker_memory.ARRAYS, worker_memory.ARRAYS + worker_memory.FROZEN,
                                           worker_memory.LIST, worker_memory.LIST + worker_memory.FROZEN]
+
+    end_to_end = tables["GPU end to end"]  # a dry run on this machine: both data paths through imgcls fit
+    assert [r[0] for r in end_to_end[1:]] == list(gpu_end_to_end.PATHS.values())
+    assert all(_num(r[1]) > 0 and _num(r[3]) > 0 for r in end_to_end[1:])
 
     overhead = tables["Training-loop overhead"]
     assert overhead[0][3].startswith("Lightning / plain step time") and len(overhead) == 2
@@ -142,3 +146,16 @@ def test_hardware_benchmark_times_the_quickstarts_step():
     assert (recipe["arch"], recipe["optimizer"], recipe["image_size"], recipe["batch_size"]) == (
         config["model"]["arch"], config["model"]["optimizer"], config["data"]["image_size"],
         config["data"]["batch_size"])
+
+
+def test_the_end_to_end_split_adds_up_to_the_wall_time():
+    """benchmarks/gpu_end_to_end.py: img/s over the timed steps, and step + on-device work + loader wait per step."""
+    steps = [{"gap_s": None, "augment_s": 0.5, "step_s": 9.0},  # warm-up (compilation): left out
+             {"gap_s": 0.3, "augment_s": 0.1, "step_s": 1.0, "gpu_s": 0.9},
+             {"gap_s": 0.5, "augment_s": 0.1, "step_s": 1.0, "gpu_s": 0.9}]
+    r = gpu_end_to_end.summarise(steps, batch=256, warmup=1)
+    assert r["steps"] == 2 and r["img_s"] == pytest.approx(512 / 2.8)
+    assert r["gpu_busy"] == pytest.approx(1.8 / 2.8)
+    assert (r["step_ms"], r["augment_ms"]) == pytest.approx((1000, 100)) and r["wait_ms"] == pytest.approx(300)
+    with pytest.raises(ValueError, match="no timed steps"):
+        gpu_end_to_end.summarise(steps[:1], batch=256, warmup=1)
