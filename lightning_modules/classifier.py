@@ -37,6 +37,7 @@ from lightning_modules.optim import (
     DEFAULT_OPTIMIZER,
     build_lr_scheduler,
     build_optimizer,
+    plain_callable,
     rescale_learning_rates,
     target_of,
 )
@@ -158,8 +159,9 @@ class ImageClassifier(L.LightningModule):
                           if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
         if python_objects:
             self.save_hyperparameters(ignore=["threshold", *python_objects])
-        self.optimizer_factory: Callable = DEFAULT_OPTIMIZER if optimizer is None else optimizer
-        self.lr_scheduler_factory: Callable = DEFAULT_LR_SCHEDULER if lr_scheduler is None else lr_scheduler
+        self.optimizer_factory: Callable = DEFAULT_OPTIMIZER if optimizer is None else plain_callable(optimizer)
+        self.lr_scheduler_factory: Callable = (DEFAULT_LR_SCHEDULER if lr_scheduler is None
+                                               else plain_callable(lr_scheduler))
         try:  # the optimizer's own checks of its arguments (a negative lr, betas out of range), before any training
             self.optimizer_factory([nn.Parameter(torch.zeros(1))])
         except ValueError as err:

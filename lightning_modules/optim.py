@@ -37,6 +37,15 @@ def target_of(factory: Callable) -> Callable:
     return factory
 
 
+def plain_callable(factory: Callable) -> Callable:
+    """jsonargparse's partial of a class_path (call_without_instantiate_context, an instantiator, the class) as
+    partial(class, **init_args): under LightningCLI the instantiator holds the CLI, which neither deepcopy (EMA's
+    averaged copy of the model) nor pickle can copy. Any other callable is returned as it is."""
+    if isinstance(factory, functools.partial) and factory.func.__module__.startswith("jsonargparse"):
+        return functools.partial(target_of(factory), **factory.keywords)
+    return factory
+
+
 def unset_arguments(factory: Callable, values: dict[str, Any]) -> dict[str, Any]:
     """The entries of `values` that `factory`'s target takes and its partial left unset (absent or None)."""
     try:
