@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from functools import partial
 
 import lightning as L
 import torch
@@ -31,6 +32,7 @@ from benchmarks.common import (
 )
 from lightning_modules import ImageClassifier
 from lightning_modules.network import build_network
+from lightning_modules.schedules import WarmupCosine
 
 TITLE = "Training-loop overhead"
 TARGET = 1.03  # Lightning's step time at most this many times the plain loop's
@@ -96,8 +98,9 @@ def plain_loop(arch: str, batch: int):
 def measure(arch: str, size: int, batch: int, steps: int, reps: int) -> dict:
     """Both loops' laps per turn (one epoch each, interleaved), their medians and the per-turn ratio's spread."""
     loader = _loader(size, batch, steps)
-    model = ImageClassifier(num_classes=10, arch=arch, optimizer="sgd", lr=0.1, batch_size=batch,
-                            warmup_epochs=0, channels_last=True, optimizer_impl="default")  # as the plain loop
+    model = ImageClassifier(num_classes=10, arch=arch, batch_size=batch,  # the recipe's SGD, as the plain loop
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0), channels_last=True,
+                            optimizer_impl="default")
     plain = plain_loop(arch, batch)
     plain(loader)  # warm-up of oneDNN primitives for both (they share the process)
     turns = interleaved_turns({"lightning": lambda: lightning_laps(model, loader), "plain": lambda: plain(loader)},

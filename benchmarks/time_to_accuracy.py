@@ -37,9 +37,14 @@ def _quickstart_recipe() -> dict:
     """The recipe of configs/quickstart.yaml, read from the file, so that the plain loop copies what imgcls runs."""
     config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
     model, data = config["model"], config["data"]
-    return dict(arch=model["arch"], head_hidden=model["head_hidden"], dropout=model["dropout"], lr=model["lr"],
-                betas=(model["momentum"], 0.999), weight_decay=model["weight_decay"],
-                warmup_epochs=model["warmup_epochs"], label_smoothing=model["loss"]["init_args"]["label_smoothing"],
+    optimizer, schedule = model["optimizer"], model["lr_scheduler"]
+    assert optimizer["class_path"] == "torch.optim.AdamW", optimizer  # the plain loop's optimizer
+    assert schedule["class_path"] == "lightning_modules.schedules.WarmupCosine", schedule  # and its schedule
+    return dict(arch=model["arch"], head_hidden=model["head_hidden"], dropout=model["dropout"],
+                lr=optimizer["init_args"]["lr"], betas=tuple(optimizer["init_args"]["betas"]),
+                weight_decay=optimizer["init_args"]["weight_decay"],
+                warmup_epochs=schedule["init_args"]["warmup_epochs"],
+                label_smoothing=model["loss"]["init_args"]["label_smoothing"],
                 batch=data["batch_size"], image_size=data["image_size"], epochs=config["trainer"]["max_epochs"],
                 seed=config["seed_everything"])
 

@@ -69,8 +69,13 @@ def class_path_error(message: str) -> str | None:
         return None
     key = key.group(1)
     given = re.search(r"Problem with given class_path '([^']+)':\s*(.*)", message)
-    if given:
-        path, problem = given.group(1), given.group(2).strip()
+    # A callable's class (model.optimizer): "expects a function or a callable class: Option 'x' is not accepted. Got
+    # value: Namespace(class_path='torch.optim.AdamW', ...", or "...: module 'torch.optim' has no attribute 'AdamWW'".
+    wrapped = re.search(r"callable class: (Option '\w+' is not accepted|module '[\w.]+' has no attribute '\w+')"
+                        r"(?:\. Got value: Namespace\(class_path='([^']+)')?", message)
+    wrapped_path = wrapped and (wrapped.group(2) or (re.search(r"Given value: (\S+)\s*$", message) or [None, None])[1])
+    if given or wrapped_path:
+        path, problem = (given.group(1), given.group(2).strip()) if given else (wrapped_path, wrapped.group(1))
         missing = re.match(r"module '([\w.]+)' has no attribute '(\w+)'", problem)
         if missing:
             module, name = missing.groups()

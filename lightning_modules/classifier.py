@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -24,19 +26,25 @@ from core.config_types import (
     NonNegativeFloat,
     NonNegativeInt,
     OpenUnitInterval,
-    PositiveFloat,
     PositiveInt,
     UnitIntervalRightOpen,
     check_arguments,
 )
 from lightning_modules.losses import for_multilabel
 from lightning_modules.network import Arch, build_network, head_prefix
-from lightning_modules.optim import build_optimizer, rescale_learning_rates
+from lightning_modules.optim import (
+    DEFAULT_LR_SCHEDULER,
+    DEFAULT_OPTIMIZER,
+    build_lr_scheduler,
+    build_optimizer,
+    plain_callable,
+    rescale_learning_rates,
+    target_of,
+)
 from lightning_modules.targets import batch_mix, split_metrics
 
 Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
-Optimizer = Literal["sgd", "adamw", "lamb"]
 LrScaling = Literal["linear", "sqrt", "none"]
 
 
@@ -64,22 +72,27 @@ class ImageClassifier(L.LightningModule):
         head_hidden: width of the hidden head layer (1024 in the Keras/Horovod recipe this template reproduces:
             global average pool -> 1024 -> classes); 0 gives a single linear layer.
         dropout: dropout before the last layer of the head.
-        optimizer: ``sgd`` (momentum, nesterov), ``adamw``, or ``lamb`` (timm's LAMB, of its ResNet-strikes-back
-            recipes; needs ``pip install 'imgcls[timm]'``).
+        optimizer: any ``torch.optim`` optimizer by ``class_path`` (``torch.optim.AdamW``, ``timm.optim.Lamb`` with
+            ``pip install 'imgcls[timm]'``), with its ``init_args``; from Python any callable params -> Optimizer. It
+            gets the param groups below; its ``lr`` is per 256 images (``lr_scaling``). null: the recipe's SGD (lr 0.1,
+            momentum 0.9, Nesterov, weight decay 1e-4). Contract and example: docs/EXTENDING.md.
+        lr_scheduler: any ``torch.optim.lr_scheduler`` class by ``class_path`` (callable optimizer -> LRScheduler),
+            stepped every optimizer step; ``total_steps`` and ``steps_per_epoch`` are passed when it takes them and
+            they are unset (``OneCycleLR`` needs only ``max_lr``, per 256 images like ``lr``). null: the recipe's
+            ``lightning_modules.schedules.WarmupCosine`` (1 warm-up epoch, then cosine decay to zero).
         loss: any ``nn.Module`` mapping (logits, targets) to a scalar (contract: lightning_modules/losses.py), by
             ``class_path``; null is ``torch.nn.CrossEntropyLoss()``. ``lightning_modules.losses.BinaryCrossEntropy``
             is ResNet strikes back's (with ``target_threshold``). It also gives val/loss and test/loss.
-        lr: learning rate per 256 images; scaled by the global batch (world size x batch x accumulation).
-        lr_scaling: ``linear``, ``sqrt`` or ``none``: how lr follows the global batch size.
-        momentum: SGD momentum (AdamW: beta1).
-        nesterov: Nesterov momentum for SGD.
-        weight_decay: decoupled for AdamW, L2 for SGD; never applied to biases and normalisation weights.
-        warmup_epochs: linear warm-up length (fractions allowed); cosine decay to zero follows.
+        lr_scaling: ``linear``, ``sqrt`` or ``none``: how the optimizer's lr (per 256 images) follows the global
+            batch (world size x batch x accumulation); each group's lr is multiplied before the scheduler is built.
+        decay_norms_and_biases: apply the optimizer's weight decay to biases and normalisation weights (ndim <= 1)
+            too; false (the recipe): their param groups get ``weight_decay`` 0.
         mixup_alpha: mixup of training batches (Beta(alpha, alpha) weights; 0.2 in torchvision's V2 recipe); 0 is off.
         cutmix_alpha: CutMix of training batches (1.0 in torchvision's V2 recipe); 0 is off. With both on, each batch
             gets one of the two, at even odds (v2.RandomChoice). They run on the device, on the normalised batch; the
             loss takes the mixed soft targets, and train/acc scores the argmax of the mixed target.
-        backbone_lr_ratio: backbone lr / head lr, e.g. 0.1 to fine-tune the pretrained layers gently.
+        backbone_lr_ratio: backbone lr / head lr, e.g. 0.1 to fine-tune the pretrained layers gently (the backbone's
+            param groups' lr is multiplied by it).
         freeze_backbone_epochs: keep the backbone frozen this many epochs: no gradients, no backward pass through
             it, no optimizer state for it, BatchNorm statistics fixed.
         batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
@@ -88,7 +101,9 @@ class ImageClassifier(L.LightningModule):
         compile: ``torch.compile`` the network (in place: checkpoint keys are unchanged) when the Trainer sets it up;
             ``auto`` compiles on CUDA with Triton only.
         optimizer_impl: ``default`` (torch's per-parameter loop), ``foreach`` or ``fused`` (one kernel for all
-            parameters); ``auto`` picks fused where it was measured faster (CUDA, x86 CPUs with AVX2).
+            parameters); ``auto`` picks fused where it was measured faster (CUDA, x86 CPUs with AVX2). Passed as
+            ``fused=True`` / ``foreach=True`` when the optimizer takes it and its config leaves it unset (an optimizer
+            without a fused kernel gets foreach).
         input_contract: the evaluation preprocessing the network is trained for, linked from the DataModule and saved
             in checkpoints (as timm's ``pretrained_cfg``): ``preset``, ``image_size`` (the square side it sees),
             ``resize_size`` and ``crop``, ``interpolation``, ``mean`` and ``std`` (of pixels scaled to [0, 1]).
@@ -105,14 +120,11 @@ class ImageClassifier(L.LightningModule):
         weights: str | None = None,
         head_hidden: NonNegativeInt = 1024,
         dropout: UnitIntervalRightOpen = 0.2,
-        optimizer: Optimizer = "sgd",
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
         loss: nn.Module | None = None,
-        lr: PositiveFloat = 0.1,
         lr_scaling: LrScaling = "linear",
-        momentum: float = 0.9,
-        nesterov: bool = True,
-        weight_decay: NonNegativeFloat = 1e-4,
-        warmup_epochs: NonNegativeFloat = 1.0,
+        decay_norms_and_biases: bool = False,
         mixup_alpha: NonNegativeFloat = 0.0,
         cutmix_alpha: NonNegativeFloat = 0.0,
         backbone_lr_ratio: NonNegativeFloat = 1.0,
@@ -124,6 +136,11 @@ class ImageClassifier(L.LightningModule):
         input_contract: dict | None = None,
     ) -> None:
         check_arguments("model", ImageClassifier.__init__, locals())  # the annotated ranges and choices
+        for key, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
+            if value is not None and not callable(value):
+                raise ValueError(f"model.{key}={value!r} is not a class_path: give the class, e.g. "
+                                 + ("torch.optim.AdamW" if key == "optimizer" else
+                                    "torch.optim.lr_scheduler.OneCycleLR"))
         super().__init__()
         if num_classes is None or num_classes < 2:
             raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
@@ -135,9 +152,20 @@ class ImageClassifier(L.LightningModule):
         # Each command's own threshold: not checkpointed, as a checkpoint's hparams would override the command line.
         with warnings.catch_warnings():  # Lightning's advice to ignore a module argument: done just below
             warnings.filterwarnings("ignore", message="Attribute 'loss' is an instance of `nn.Module`")
-            self.save_hyperparameters(ignore=["threshold"])  # from a config: the loss's class_path and init_args
-        if isinstance(self.hparams.get("loss"), nn.Module):  # an object from Python, which checkpoints loaded
-            self.save_hyperparameters(ignore=["threshold", "loss"])  # weights_only cannot hold: left out
+            self.save_hyperparameters(ignore=["threshold"])  # from a config: class_path and init_args of each seam
+        # Objects from Python (a loss module, an optimizer callable), which checkpoints loaded weights_only cannot
+        # hold: left out.
+        python_objects = [k for k in ("loss", "optimizer", "lr_scheduler")
+                          if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
+        if python_objects:
+            self.save_hyperparameters(ignore=["threshold", *python_objects])
+        self.optimizer_factory: Callable = DEFAULT_OPTIMIZER if optimizer is None else plain_callable(optimizer)
+        self.lr_scheduler_factory: Callable = (DEFAULT_LR_SCHEDULER if lr_scheduler is None
+                                               else plain_callable(lr_scheduler))
+        try:  # the optimizer's own checks of its arguments (a negative lr, betas out of range), before any training
+            self.optimizer_factory([nn.Parameter(torch.zeros(1))])
+        except ValueError as err:
+            raise ValueError(f"model.optimizer ({target_of(self.optimizer_factory).__name__}): {err}") from None
         loss = nn.CrossEntropyLoss() if loss is None else loss
         if multilabel:
             loss, why = for_multilabel(loss)
@@ -313,7 +341,7 @@ class ImageClassifier(L.LightningModule):
     # ---- optimisation ---------------------------------------------------------------------------------------
 
     def lr_scale(self) -> float:
-        """Multiplier from `lr` (per 256 images) to the learning rate actually used."""
+        """Multiplier from the optimizer's lr (per 256 images) to the learning rate actually used."""
         world = self.trainer.world_size if self._trainer is not None else 1
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
         global_batch = world * self.hparams.batch_size * accumulate
@@ -322,28 +350,17 @@ class ImageClassifier(L.LightningModule):
         ]
 
     def param_groups(self) -> list[dict]:
-        """Four groups: (backbone | head) x (decay | no decay); biases and norm weights (ndim <= 1) never decay."""
-        hp = self.hparams
-        head_lr = hp.lr * self.lr_scale()
+        """Up to four groups: (backbone | head) x (decay | no decay); biases and norm weights (ndim <= 1) get
+        weight_decay 0 unless decay_norms_and_biases. Their lr is the optimizer's (scaled in configure_optimizers)."""
         groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
         for name, p in self.net.named_parameters():
-            groups.setdefault((name.startswith(head_prefix(self.net)), p.ndim > 1), []).append(p)
-        return [
-            {
-                "params": params,
-                "lr": head_lr if is_head else head_lr * hp.backbone_lr_ratio,
-                "weight_decay": hp.weight_decay if decays else 0.0,
-                "is_head": is_head,
-            }
-            for (is_head, decays), params in sorted(groups.items())
-        ]
+            decays = self.hparams.decay_norms_and_biases or p.ndim > 1
+            groups.setdefault((name.startswith(head_prefix(self.net)), decays), []).append(p)
+        return [{"params": params, "is_head": is_head, **({} if decays else {"weight_decay": 0.0})}
+                for (is_head, decays), params in sorted(groups.items())]
 
-    def configure_optimizers(self):
-        hp = self.hparams
-        groups = self.param_groups()
-        chosen = self.levers.get("optimizer_impl") or resolve_levers(hp, self.device.type)[0]["optimizer_impl"]
-        optimizer = build_optimizer(hp.optimizer, groups, momentum=hp.momentum, nesterov=hp.nesterov, impl=chosen)
-
+    def steps(self) -> tuple[int, int]:
+        """(optimizer steps of the run, optimizer steps per epoch)."""
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         # Optimizer steps per epoch from the loader, not total_steps / max_epochs: with max_steps and no max_epochs,
         # "epoch" would be the whole run, and warm-up with it.
@@ -354,28 +371,38 @@ class ImageClassifier(L.LightningModule):
             per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches)
         else:  # no loader yet (an iterable of unknown length): the configured epochs
             per_epoch = total_steps // epochs if epochs and epochs > 0 else total_steps
-        steps_per_epoch = max(1, min(total_steps, per_epoch))
-        warmup_steps = int(hp.warmup_epochs * steps_per_epoch)
-        frozen_steps = hp.freeze_backbone_epochs * steps_per_epoch
+        return total_steps, max(1, min(total_steps, per_epoch))
 
-        def schedule(step: int) -> float:  # warm-up, then cosine to zero; a pure function of the step
-            if step < warmup_steps:
-                return (step + 1) / warmup_steps
-            progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
+    def lr_multipliers(self, groups: list[dict]) -> list[float]:
+        """Per param group: lr_scale (per 256 images -> this global batch), times backbone_lr_ratio for the backbone."""
+        return [self.lr_scale() * (1.0 if g["is_head"] else self.hparams.backbone_lr_ratio) for g in groups]
 
-        def backbone_schedule(step: int) -> float:
-            return 0.0 if step < frozen_steps else schedule(step)
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """model.optimizer over param_groups (fused or foreach kernels per optimizer_impl), each group's lr multiplied
+        by its lr_multipliers: the peak rates a scheduler then starts from."""
+        impl = self.levers.get("optimizer_impl") or resolve_levers(self.hparams, self.device.type)[0]["optimizer_impl"]
+        optimizer = build_optimizer(self.optimizer_factory, self.param_groups(), impl)
+        for group, multiplier in zip(optimizer.param_groups, self.lr_multipliers(optimizer.param_groups), strict=True):
+            group["lr"] = group["lr"] * multiplier
+        return optimizer
 
-        lambdas = [schedule if g["is_head"] else backbone_schedule for g in groups]
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = self.make_optimizer()
+        multipliers = self.lr_multipliers(optimizer.param_groups)
+        head = next(i for i, g in enumerate(optimizer.param_groups) if g["is_head"])
+        peak = optimizer.param_groups[head]["lr"]
+        total_steps, steps_per_epoch = self.steps()
+        scheduler = build_lr_scheduler(self.lr_scheduler_factory, optimizer, total_steps=total_steps,
+                                       steps_per_epoch=steps_per_epoch, multipliers=multipliers)
+        warmup = getattr(scheduler, "warmup_steps", None)
         rank_zero_info(
-            f"lr {hp.lr:g} per 256 images x {self.lr_scale():.4g} ({hp.lr_scaling} scaling, global batch "
-            f"{self.trainer.world_size} x {hp.batch_size} x {self.trainer.accumulate_grad_batches}) = "
-            f"{hp.lr * self.lr_scale():.4g} for the head (peak); {total_steps} steps, {warmup_steps} of warm-up"
-        )  # not groups[..]["lr"]: LambdaLR has already multiplied that by the schedule's first value
+            f"{target_of(self.optimizer_factory).__name__} lr {peak / multipliers[head]:g} per 256 images x "
+            f"{self.lr_scale():.4g} ({hp.lr_scaling} scaling, global batch {self.trainer.world_size} x "
+            f"{hp.batch_size} x {self.trainer.accumulate_grad_batches}) = {peak:.4g} for the head (peak); "
+            f"{type(scheduler).__name__} over {total_steps} steps" + (f", {warmup} of warm-up" if warmup else "")
+        )  # the peak read before the scheduler set the first step's rate
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
 
     # ---- resuming on another global batch (elastic restarts, fewer GPUs) --------------------------------------
 

@@ -1,33 +1,97 @@
-"""The optimizer the classifier names, and rescaling a checkpoint's learning rates to another global batch."""
+"""Building the injected optimizer and LR scheduler, and rescaling the learning rates of a checkpoint to another
+global batch.
+
+`model.optimizer` is any callable `params -> torch.optim.Optimizer` (in YAML: a class_path such as torch.optim.AdamW
+or timm.optim.Lamb, which jsonargparse hands over as a functools.partial of its init_args), and `model.lr_scheduler`
+any callable `optimizer -> LRScheduler`. The model calls each with what only it knows, where the callable takes it and
+the config left it unset (None): the optimizer's `fused` or `foreach` kernels (model.optimizer_impl), the scheduler's
+`total_steps` and `steps_per_epoch` (the run's length).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
+from lightning_modules.schedules import WarmupCosine
 
-def build_optimizer(name: str, groups: list[dict], *, momentum: float, nesterov: bool, impl: str
-                    ) -> torch.optim.Optimizer:
-    """SGD (momentum, nesterov), AdamW (betas (momentum, 0.999)) or timm's LAMB over `groups`, each group's lr and
-    weight decay its own; `impl` is default, foreach or fused (one kernel for every parameter)."""
+# The recipe's default (model.optimizer: null, model.lr_scheduler: null): SGD with Nesterov momentum at 0.1 per 256
+# images, then 1 warm-up epoch and a cosine decay.
+DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+DEFAULT_LR_SCHEDULER = functools.partial(WarmupCosine, warmup_epochs=1.0)
+
+# The learning rates an optimizer's param groups and a scheduler's state carry (OneCycleLR: max_lr and min_lr in the
+# groups; CyclicLR: max_lrs; ReduceLROnPlateau: min_lrs; CosineAnnealingLR: eta_min), rescaled on a resume.
+LR_KEYS = frozenset({"lr", "initial_lr", "max_lr", "min_lr", "base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min"})
+
+
+def target_of(factory: Callable) -> Callable:
+    """The class (or function) a callable builds: a partial's target, jsonargparse's wrapped class, or itself."""
+    while isinstance(factory, functools.partial):
+        classes = [a for a in factory.args if isinstance(a, type)]  # jsonargparse: partial(call, instantiator, cls)
+        factory = classes[-1] if classes else factory.func
+    return factory
+
+
+def plain_callable(factory: Callable) -> Callable:
+    """jsonargparse's partial of a class_path (call_without_instantiate_context, an instantiator, the class) as
+    partial(class, **init_args): under LightningCLI the instantiator holds the CLI, which neither deepcopy (EMA's
+    averaged copy of the model) nor pickle can copy. Any other callable is returned as it is."""
+    if isinstance(factory, functools.partial) and factory.func.__module__.startswith("jsonargparse"):
+        return functools.partial(target_of(factory), **factory.keywords)
+    return factory
+
+
+def unset_arguments(factory: Callable, values: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `values` that `factory`'s target takes and its partial left unset (absent or None)."""
+    try:
+        accepted = inspect.signature(target_of(factory)).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing
+        return {}
+    given = getattr(factory, "keywords", {}) or {}
+    return {k: v for k, v in values.items() if k in accepted and given.get(k) is None}
+
+
+def build_optimizer(factory: Callable, groups: list[dict], impl: str) -> torch.optim.Optimizer:
+    """`factory(groups)`, with `fused=True` or `foreach=True` when `impl` asks for it and the optimizer takes it."""
     kernels = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=momentum, nesterov=nesterov, **kernels)
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=(momentum, 0.999), **kernels)
-    try:  # LAMB: Adam's step scaled per layer by |w| / |step|; timm's, not torch's (which has none)
-        from timm.optim import Lamb
-    except ImportError:
-        raise ImportError("model.optimizer=lamb is timm's LAMB: pip install 'imgcls[timm]'") from None
-    return Lamb(groups, lr=groups[0]["lr"], betas=(momentum, 0.999), foreach=impl in ("foreach", "fused") or None)
+    if impl == "fused" and "fused" not in unset_arguments(factory, kernels):
+        kernels = {"foreach": True}  # no fused kernel (timm's Lamb, RMSprop on some torch builds): the next best
+    return factory(groups, **unset_arguments(factory, kernels))
+
+
+def build_lr_scheduler(factory: Callable, optimizer: torch.optim.Optimizer, *, total_steps: int,
+                       steps_per_epoch: int, multipliers: list[float]):
+    """`factory(optimizer)`, given the run's length where it takes it; an absolute `max_lr` the config gave
+    (OneCycleLR's) is per 256 images like the optimizer's lr: multiplied per group as the groups' lrs were."""
+    extra = unset_arguments(factory, {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch})
+    max_lr = (getattr(factory, "keywords", None) or {}).get("max_lr")
+    if max_lr is not None:
+        peaks = max_lr if isinstance(max_lr, list | tuple) else [max_lr] * len(multipliers)
+        extra["max_lr"] = [lr * m for lr, m in zip(peaks, multipliers, strict=True)]
+    return factory(optimizer, **extra)
 
 
 def rescale_learning_rates(checkpoint: dict, factor: float) -> None:
-    """Multiply the learning rates a checkpoint's optimizer and LambdaLR states carry by `factor`, in place."""
+    """Multiply every learning rate a checkpoint's optimizer and scheduler states carry by `factor`, in place: each
+    of LR_KEYS in the param groups and the scheduler states, nested schedulers (SequentialLR's) included."""
     for state in checkpoint.get("optimizer_states", []):
         for group in state["param_groups"]:
-            for key in ("lr", "initial_lr"):
-                if key in group:
-                    group[key] *= factor
+            _rescale(group, factor)
     for state in checkpoint.get("lr_schedulers", []):
-        state["base_lrs"] = [lr * factor for lr in state.get("base_lrs", [])]
-        state["_last_lr"] = [lr * factor for lr in state.get("_last_lr", [])]
+        _rescale(state, factor)
+
+
+def _rescale(state: dict, factor: float) -> None:
+    for key, value in state.items():
+        if key in LR_KEYS and isinstance(value, int | float | torch.Tensor) and not isinstance(value, bool):
+            state[key] = value * factor
+        elif key in LR_KEYS and isinstance(value, list | tuple):
+            state[key] = type(value)(v * factor for v in value)
+        elif key == "_schedulers":  # SequentialLR, ChainedScheduler: their schedulers' states
+            for inner in value:
+                _rescale(inner, factor)

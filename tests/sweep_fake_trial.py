@@ -2,7 +2,7 @@
 study what training.sweep_trial's callback leaves there (test_trial_callback_leaves_what_the_sweep_reads checks that
 the callback does), so that tests of the sweep process run in seconds.
 
-    python -m tests.sweep_fake_trial fit ... --model.lr=0.01 ... --trainer.default_root_dir=<run dir>
+    python -m tests.sweep_fake_trial fit ... --model.optimizer.lr=0.01 ... --trainer.default_root_dir=<run dir>
 
 Two epochs of half a second each, val/acc = lr * epoch; a trial whose number is in $FAKE_TRIAL_PRUNE (comma-separated)
 is pruned after its first epoch. With $FAKE_TRIAL_MEET=N, trials 0 to N-1 start their epochs only once N trials are
@@ -26,7 +26,7 @@ from training.sweep_trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY, TRIAL_
 
 def main(argv: list[str]) -> None:
     options = dict(arg.removeprefix("--").split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
-    run_dir, lr = Path(options["trainer.default_root_dir"]), float(options["model.lr"])
+    run_dir, lr = Path(options["trainer.default_root_dir"]), float(options["model.optimizer.lr"])
     spec = json.loads(os.environ[TRIAL_ENV_VAR])
     study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
                               pruner=make_pruner(spec["hyperband"]))
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> None:
             trial.storage.set_trial_system_attr(trial._trial_id, EPOCH_KEY, epoch)
             break
     trial.set_user_attr("final_metrics", {spec["metric"]: lr * (epoch + 1), "val/loss": 1.0})
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"lr": lr},
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"optimizer": {"init_args": {"lr": lr}}},
                                                          "trainer": {"default_root_dir": str(run_dir)}}))
 
 

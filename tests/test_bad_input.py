@@ -182,7 +182,8 @@ def test_bad_layout_names_the_path(tmp_path, case):
 # ---- through the real command: one line on stderr, exit 2, nothing trained --------------------------------------
 
 CLI_CASES = {
-    "negative lr": (["--model.lr", "-0.1"], "model.lr=-0.1 must be positive"),
+    "negative lr": (["--model.optimizer", "torch.optim.SGD", "--model.optimizer.lr", "-0.1"],
+                    "model.optimizer (SGD): Invalid learning rate: -0.1"),
     "unknown preset": (["--data.preset", "fancy"], "data.preset"),
     "image_size < 32": (["--data.image_size", "16"], "data.image_size=16 is below 32"),
     "negative num_workers": (["--data.num_workers", "-1"], "data.num_workers=-1 must be >= 0"),
@@ -211,9 +212,15 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--model.lrr", "0.1"], "--model.lrr is not an option; did you mean --model.lr"),
+    (["--model.lr_scalling", "none"], "--model.lr_scalling is not an option; did you mean --model.lr_scaling"),
     (["--data.roott", "x"], "--data.roott is not an option; did you mean --data.root"),
-    (["--model.lr", "-0.1"], "model.lr=-0.1 must be positive"),
+    (["--model.optimizer.lrr", "0.1"],
+     "model.optimizer.lrr: torch.optim.AdamW takes no argument lrr; did you mean model.optimizer.lr?"),
+    (["--model.optimizer", "torch.optim.AdamWW"],
+     "model.optimizer=torch.optim.AdamWW: torch.optim has no AdamWW; did you mean torch.optim.AdamW"),
+    (["--model.lr_scheduler.warmup_epoch", "1"], "model.lr_scheduler.warmup_epoch: "
+     "lightning_modules.schedules.WarmupCosine takes no argument warmup_epoch; did you mean "
+     "model.lr_scheduler.warmup_epochs?"),
     (["--model.loss", "torch.nn.CrossEntropyLos"],
      "model.loss=torch.nn.CrossEntropyLos: torch.nn has no CrossEntropyLos; did you mean torch.nn.CrossEntropyLoss"),
     (["--model.loss.label_smoothin", "0.1"],
@@ -222,6 +229,15 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     (["--model.label_smoothing", "0.1"], "--model.label_smoothing moved to --model.loss.label_smoothing"),
     (["--model.loss", "bce"], "model.loss=bce moved: give the class, --model.loss "
                               "lightning_modules.losses.BinaryCrossEntropy"),
+    (["--model.lr", "0.1"], "--model.lr moved to --model.optimizer.lr"),
+    (["--model.momentum", "0.9"], "--model.momentum moved to --model.optimizer.momentum"),
+    (["--model.nesterov", "false"], "--model.nesterov moved to --model.optimizer.nesterov"),
+    (["--model.weight_decay", "0.1"], "--model.weight_decay moved to --model.optimizer.weight_decay"),
+    (["--model.warmup_epochs", "2"], "--model.warmup_epochs moved to --model.lr_scheduler.warmup_epochs"),
+    (["--model.optimizer", "sgd"], "model.optimizer=sgd moved: give the class, --model.optimizer torch.optim.SGD"),
+    (["--model.optimizer", "adamw"], "model.optimizer=adamw moved: give the class, --model.optimizer "
+                                     "torch.optim.AdamW"),
+    (["--model.optimizer", "lamb"], "model.optimizer=lamb moved: give the class, --model.optimizer timm.optim.Lamb"),
 ])
 def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:

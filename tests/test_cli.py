@@ -77,7 +77,7 @@ def test_fit_help_lists_the_architectures_and_ranges(capsys):
     arch_help = out[start:out.index("--model.weights WEIGHTS", start)]
     for name in ("'resnet50'", "'convnext_tiny'", "'vit_b_16'", "TimmArch"):
         assert name in arch_help
-    assert "PositiveFloat" in out[out.index("--model.lr LR"):]
+    assert "NonNegativeFloat" in out[out.index("--model.backbone_lr_ratio"):]
 
 
 def test_quickstart_fast_dev_run(digits_root, tmp_path):

@@ -3,6 +3,8 @@ resume."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import lightning as L
 import pytest
 import torch
@@ -37,7 +39,8 @@ def _fit(images, tmp_path, strategy, max_steps: int, ckpt_path=None, name="run")
     """Fit a tiny resnet18 with `strategy` in this process; the Probe holds what happened."""
     L.seed_everything(0)
     data = ImageFolderDataModule(str(images), batch_size=4, num_workers=0, image_size=32, preset="none")
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, dropout=0.0, lr=0.4)
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, dropout=0.0,
+                            optimizer=partial(torch.optim.SGD, lr=0.4, momentum=0.9, nesterov=True, weight_decay=1e-4))
     probe = Probe(str(tmp_path / name / "probe"))
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, max_epochs=-1, logger=False,

@@ -76,7 +76,7 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
     assert len(r0["sampler_indices"]) + len(r1["sampler_indices"]) == 24
 
     # lr scaled by the global batch: the quickstart's lr per 256 images x (2 ranks x 4) / 256 for the head groups.
-    lr = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())["model"]["lr"]
+    lr = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())["model"]["optimizer"]["init_args"]["lr"]
     assert max(r0["lrs"]) == pytest.approx(lr * 8 / 256)
 
     # Gradients after DDP's all-reduce == one process on the two ranks' batches concatenated. BatchNorm must not

@@ -185,7 +185,9 @@ def test_a_finished_run_is_not_resumed_into_a_no_op_and_its_config_is_kept(run_c
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    (["--model.lr", "0.4"], "model.lr=0.4 (the checkpoint's: 0.016)"),
+    (["--model.optimizer.lr", "0.4"], "model.optimizer.init_args.lr=0.4 (the checkpoint's: 0.016)"),
+    (["--model.lr_scheduler.warmup_epochs", "2"],
+     "model.lr_scheduler.init_args.warmup_epochs=2.0 (the checkpoint's: 0.5)"),
     # an injected part's init_args too, named by its leaf
     (["--model.loss.label_smoothing", "0.3"], "model.loss.init_args.label_smoothing=0.3 (the checkpoint's: 0.1)"),
 ])

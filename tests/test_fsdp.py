@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 import lightning as L
 import pytest
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
+from lightning_modules.schedules import WarmupCosine
 from tests.helpers import free_port, join_ranks, make_image_folder
 from training.checkpointing import (
     ModelCheckpoint,
@@ -117,9 +119,9 @@ def _fit(root: str, run: str, strategy, ckpt_path: str | None = None, record: di
     the production config's frozen first epoch, a checkpoint at step SAVE_AT. Returns the whole weights."""
     L.seed_everything(42)
     data = ImageFolderDataModule(root, batch_size=2, num_workers=0, image_size=32, preset="imagenet")
-    model = ImageClassifier(num_classes=2, arch=ARCH, head_hidden=1024, dropout=0.2, lr=0.1, batch_size=2,
-                            warmup_epochs=0.0, freeze_backbone_epochs=1, channels_last=False, compile=False,
-                            optimizer_impl="foreach")  # configs/fsdp.yaml's levers
+    model = ImageClassifier(num_classes=2, arch=ARCH, head_hidden=1024, dropout=0.2, batch_size=2,
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0.0), freeze_backbone_epochs=1,
+                            channels_last=False, compile=False, optimizer_impl="foreach")  # configs/fsdp.yaml's levers
     initial = _full_state(model)
     checkpoints = ModelCheckpoint(dirpath=f"{run}/checkpoints", filename="step{step}", every_n_train_steps=SAVE_AT,
                                   auto_insert_metric_name=False, save_top_k=-1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import typing
 import warnings
+from functools import partial
 
 import lightning as L
 import pytest
@@ -158,7 +159,8 @@ def test_loader_workers_follow_the_device_and_cores(hw, device, devices, expecte
 def test_a_fit_resolves_every_auto_lever_from_the_machine(machine, digits_root, caplog, hw, expected):
     """The model, the loaders and the Trainer of a real (one-batch) fit, on a machine the test pretends to be."""
     machine(hw)
-    model = ImageClassifier(num_classes=10, arch="resnet18", head_hidden=16, optimizer="adamw", lr=0.01)
+    model = ImageClassifier(num_classes=10, arch="resnet18", head_hidden=16,
+                            optimizer=partial(torch.optim.AdamW, lr=0.01))
     data = ImageFolderDataModule(root=str(digits_root), batch_size=8, image_size=32)
     trainer = Trainer(accelerator="cpu", fast_dev_run=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False)

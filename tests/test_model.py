@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from functools import partial
 from unittest import mock
 
 import lightning as L
@@ -17,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier, build_network
 from lightning_modules.losses import BinaryCrossEntropy
+from lightning_modules.schedules import WarmupCosine
 from lightning_modules.targets import batch_mix
 from tests.helpers import make_image_folder
 
@@ -44,10 +47,10 @@ def test_any_torchvision_classifier_gets_the_head_in_place_of_its_last_linear(ar
     assert [(m.in_features, m.out_features) for m in linears] == [(features, 32), (32, 5)]
     out = net.eval()(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 5) and torch.isfinite(out).all()
-    model = ImageClassifier(num_classes=5, arch=arch, head_hidden=32, backbone_lr_ratio=0.1, lr=0.256,
-                            lr_scaling="none")
+    model = ImageClassifier(num_classes=5, arch=arch, head_hidden=32, backbone_lr_ratio=0.1, lr_scaling="none",
+                            optimizer=partial(torch.optim.SGD, lr=0.256))
     head_params = {id(p) for p in model.net.get_submodule(head).parameters()}
-    for group in model.param_groups():  # the head's lr, and the backbone's at 0.1 of it: nothing else
+    for group in model.make_optimizer().param_groups:  # the head's lr, and the backbone's at 0.1 of it: nothing else
         assert group["lr"] == pytest.approx(0.256 if id(group["params"][0]) in head_params else 0.0256)
         assert {id(p) in head_params for p in group["params"]} == {id(group["params"][0]) in head_params}
 
@@ -140,14 +143,35 @@ def test_unknown_weights_name_lists_the_choices():
         build_network("resnet18", weights="IMAGENET9K")
 
 
-def test_param_groups_skip_weight_decay_on_biases_and_norms():
-    model = ImageClassifier(num_classes=3, arch="resnet18", weight_decay=0.1, backbone_lr_ratio=0.1, lr=0.256,
-                            lr_scaling="none")
-    groups = model.param_groups()
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW, torch.optim.RMSprop])
+def test_param_groups_skip_weight_decay_on_biases_and_norms(optimizer):
+    model = ImageClassifier(num_classes=3, arch="resnet18", backbone_lr_ratio=0.1, lr_scaling="none",
+                            optimizer=partial(optimizer, lr=0.256, weight_decay=0.1))
+    groups = model.make_optimizer().param_groups
+    assert isinstance(model.make_optimizer(), optimizer) and len(groups) == 4
     assert sum(len(g["params"]) for g in groups) == len(list(model.net.parameters()))
     for g in groups:
         assert all(p.ndim > 1 for p in g["params"]) == (g["weight_decay"] == 0.1)
         assert g["lr"] == pytest.approx(0.256 if g["is_head"] else 0.0256)
+
+
+def test_weight_decay_on_norms_and_biases_too_when_asked():
+    model = ImageClassifier(num_classes=3, arch="resnet18", decay_norms_and_biases=True,
+                            optimizer=partial(torch.optim.AdamW, lr=0.1, weight_decay=0.1))
+    groups = model.make_optimizer().param_groups
+    assert len(groups) == 2 and all(g["weight_decay"] == 0.1 for g in groups)  # head and backbone
+
+
+def test_the_optimizer_impl_lever_is_passed_where_the_optimizer_takes_it_and_the_config_left_it_unset():
+    def built(optimizer, impl):
+        model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0, optimizer=optimizer,
+                                optimizer_impl=impl)
+        return model.make_optimizer().defaults
+    assert built(partial(torch.optim.SGD, lr=0.1), "fused")["fused"] is True
+    assert built(partial(torch.optim.SGD, lr=0.1, fused=False), "fused")["foreach"] is True  # set: kept, foreach
+    assert built(partial(torch.optim.RMSprop, lr=0.1), "fused")["foreach"] is True  # no fused kernel: foreach
+    assert built(partial(torch.optim.AdamW, lr=0.1), "default")["fused"] is None
+    assert built(lambda params: torch.optim.Adam(params, lr=0.1), "foreach")["foreach"] is None  # takes no kwargs
 
 
 @pytest.mark.parametrize(("scaling", "expected"), [("linear", 0.5), ("sqrt", 0.5**0.5), ("none", 1.0)])
@@ -162,8 +186,10 @@ def _fit(root, epochs: int | None = 1, callbacks=(), trainer_kwargs: dict | None
     """Train 3 steps (of 4 images) per epoch."""
     L.seed_everything(0)
     dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, preset="none", image_size=32)
-    model = ImageClassifier(num_classes=dm.num_classes, arch="resnet18", head_hidden=16, optimizer="sgd",
-                            **{"lr": 1.0, "warmup_epochs": 0, **model_kwargs})
+    warmup = model_kwargs.pop("warmup_epochs", 0)
+    model = ImageClassifier(num_classes=dm.num_classes, arch="resnet18", head_hidden=16,
+                            **{"optimizer": partial(torch.optim.SGD, lr=1.0, momentum=0.9, nesterov=True),
+                               "lr_scheduler": partial(WarmupCosine, warmup_epochs=warmup), **model_kwargs})
     before = {k: v.clone() for k, v in model.net.state_dict().items()}
     trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=3, limit_val_batches=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -259,7 +285,8 @@ def test_resuming_on_another_global_batch_rescales_the_learning_rate(tmp_path, c
         second, _ = _fit(tmp_path, epochs=2, trainer_kwargs={"accumulate_grad_batches": 2}, ckpt_path=ckpt)
     base = second.trainer.optimizers[0].param_groups[-1]["initial_lr"]
     assert base == pytest.approx(first.trainer.optimizers[0].param_groups[-1]["initial_lr"] * 2)
-    assert second.trainer.lr_scheduler_configs[0].scheduler.base_lrs[-1] == pytest.approx(base)
+    nested = second.trainer.lr_scheduler_configs[0].scheduler.state_dict()["_schedulers"]  # SequentialLR's
+    assert [state["base_lrs"][-1] for state in nested] == pytest.approx([base] * len(nested))
     assert "learning rates rescaled x2 (linear scaling" in caplog.text
 
 
@@ -284,25 +311,28 @@ def test_predict_returns_a_result_for_every_image(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"lr": -0.1}, "model.lr=-0.1 must be positive"),
-        ({"optimizer": "adam"}, "model.optimizer='adam' is unknown"),
+        ({"optimizer": partial(torch.optim.SGD, lr=-0.1)}, "model.optimizer (SGD): Invalid learning rate: -0.1"),
+        ({"optimizer": "adam"}, "model.optimizer='adam' is not a class_path: give the class, e.g. torch.optim.AdamW"),
         ({"arch": "resnet51"}, "model.arch='resnet51' is not a torchvision classification model; did you mean"),
         ({"class_names": ["a"]}, "model.class_names has 1 names but model.num_classes=3"),
     ],
 )
 def test_bad_model_arguments_name_the_key(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         ImageClassifier(num_classes=3, **{"arch": "resnet18", **kwargs})
 
 
 def test_the_printed_learning_rate_is_the_scaled_peak_not_the_first_warm_up_step(caplog):
-    model = ImageClassifier(num_classes=3, arch="resnet18", batch_size=64, lr=0.016, warmup_epochs=1)
+    model = ImageClassifier(num_classes=3, arch="resnet18", batch_size=64,
+                            optimizer=partial(torch.optim.AdamW, lr=0.016),
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=1))
     model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False)
     # 20 steps over 2 epochs: 10 per epoch, so warmup_epochs=1 is 10 warm-up steps.
     with mock.patch.object(type(model.trainer), "estimated_stepping_batches", 20), caplog.at_level(logging.INFO):
         config = model.configure_optimizers()
     assert config["optimizer"].param_groups[-1]["lr"] == pytest.approx(0.004 / 10)  # step 0 of 10 warm-up steps
-    assert "= 0.004 for the head (peak); 20 steps, 10 of warm-up" in caplog.text
+    assert "AdamW lr 0.016 per 256 images x 0.25" in caplog.text
+    assert "= 0.004 for the head (peak); WarmupCosine over 20 steps, 10 of warm-up" in caplog.text
 
 
 def _soft(y: torch.Tensor, classes: int) -> torch.Tensor:
@@ -460,8 +490,9 @@ def test_lamb_is_timms_and_trains_with_the_projects_parameter_groups():
     from timm.optim import Lamb
 
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 2
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, optimizer="lamb", loss=BinaryCrossEntropy(),
-                            batch_size=4, lr=0.008, lr_scaling="none", warmup_epochs=0, channels_last=False)
+    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, optimizer=partial(Lamb, lr=0.008),
+                            loss=BinaryCrossEntropy(), batch_size=4, lr_scaling="none",
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0), channels_last=False)
     before = model.net.fc[0].weight.detach().clone()
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)

@@ -285,14 +285,19 @@ def test_augment_on_device_on_cuda_matches_the_cpu_pipeline(tmp_path):
 
 
 def _fit_one_step(optimizer: str, impl: str) -> dict[str, torch.Tensor]:
+    from functools import partial
+
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_modules import ImageClassifier
+    from lightning_modules.schedules import WarmupCosine
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,)))
-    model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=8, optimizer=optimizer, lr=0.5,
-                            batch_size=4, warmup_epochs=0, optimizer_impl=impl)
+    optimizer_class = {"sgd": partial(torch.optim.SGD, momentum=0.9, nesterov=True), "adamw": torch.optim.AdamW}
+    model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=8, optimizer_impl=impl, batch_size=4,
+                            optimizer=partial(optimizer_class[optimizer], lr=0.5),
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0))
     L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False).fit(model, DataLoader(data, batch_size=4))
     return {k: v.detach().clone() for k, v in model.net.state_dict().items()}

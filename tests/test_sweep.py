@@ -30,6 +30,7 @@ from training.sweep_file import SweepFileError, load_sweep, make_pruner, make_sa
 from training.sweep_trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, trial_callback
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
+LR, WD = "model.optimizer.lr", "model.optimizer.weight_decay"  # the swept keys: init_args of the optimizer
 
 
 def sweep_command(digits_root: Path, *overlays: Path) -> list[str]:
@@ -46,8 +47,8 @@ def write_sweep(path: Path, digits_root: Path, **overrides) -> Path:
         "method": "grid",
         "metric": {"name": "val/acc", "goal": "maximize"},
         "parameters": {
-            "model.lr": {"values": [0.02, 0.2]},
-            "model.weight_decay": {"values": [0.0, 0.05]},
+            LR: {"values": [0.02, 0.2]},
+            WD: {"values": [0.0, 0.05]},
             "trainer.max_epochs": {"value": 1},
         },
         "command": sweep_command(digits_root),
@@ -70,15 +71,15 @@ def test_shipped_sweep_command_is_a_fit_that_logs_to_wandb(monkeypatch, capsys):
     sweep = load_sweep(SHIPPED)
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr("sys.argv", ["imgcls"])
-    params = {"model.lr": 0.003, "model.weight_decay": 0.01, "trainer.max_epochs": 4}
+    params = {LR: 0.003, WD: 0.01, "trainer.max_epochs": 4}
     with pytest.raises(SystemExit) as exit_:
         cli_main(["fit", *sweep.fixed_args, *trial_args(params), "--print_config"])
     assert exit_.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     loggers = [logger["class_path"] for logger in printed["trainer"]["logger"]]
     assert loggers == ["lightning.pytorch.loggers.TensorBoardLogger", "lightning.pytorch.loggers.WandbLogger"]
-    assert (printed["model"]["lr"], printed["model"]["weight_decay"],
-            printed["trainer"]["max_epochs"]) == (0.003, 0.01, 4)
+    optimizer = printed["model"]["optimizer"]["init_args"]
+    assert (optimizer["lr"], optimizer["weight_decay"], printed["trainer"]["max_epochs"]) == (0.003, 0.01, 4)
     assert printed["trainer"]["default_root_dir"] == "runs/sweeps/quickstart_lr"
 
 
@@ -103,9 +104,9 @@ def test_hyperband_maps_to_optunas_pruner(tmp_path):
 def test_result_table_is_sorted_by_the_metric(tmp_path, capsys, goal, order):
     sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path, metric={"name": "val/acc", "goal": goal}))
     study = optuna.create_study(direction=goal)
-    space = {"model.lr": CategoricalDistribution([0.02, 0.2]), "model.weight_decay": CategoricalDistribution([0.0])}
+    space = {LR: CategoricalDistribution([0.02, 0.2]), WD: CategoricalDistribution([0.0])}
     for number, value in enumerate([0.5, 0.9, None, 0.7]):  # trial 2 failed: no value, listed last
-        study.add_trial(create_trial(params={"model.lr": 0.02, "model.weight_decay": 0.0}, distributions=space,
+        study.add_trial(create_trial(params={LR: 0.02, WD: 0.0}, distributions=space,
                                      value=value, state=TrialState.FAIL if value is None else TrialState.COMPLETE,
                                      user_attrs={"run_dir": f"trial_{number:04d}"}))
     print_table(study, sweep)
@@ -121,7 +122,8 @@ def test_grid_expands_ranges_and_args_match_wandb_format(tmp_path):
     })
     sweep = load_sweep(path)
     assert sweep.grid == {"trainer.max_epochs": [1, 2, 3], "model.dropout": [0.0, 0.25, 0.5]}
-    assert trial_args({"model.lr": 0.1, "model.nesterov": True}) == ["--model.lr=0.1", "--model.nesterov=True"]
+    assert trial_args({LR: 0.1, "model.optimizer.nesterov": True}) == ["--model.optimizer.lr=0.1",
+                                                                        "--model.optimizer.nesterov=True"]
 
 
 def test_grid_of_two_parameters_runs_each_combination_once(tmp_path):
@@ -130,8 +132,8 @@ def test_grid_of_two_parameters_runs_each_combination_once(tmp_path):
     sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path))
     study = optuna.create_study(direction="maximize", sampler=make_sampler(sweep, seed=0))
     assert remaining(study, sweep, None) == 4
-    study.optimize(lambda trial: suggest(trial, sweep)["model.lr"], n_trials=4)
-    points = [(t.params["model.lr"], t.params["model.weight_decay"]) for t in study.trials]
+    study.optimize(lambda trial: suggest(trial, sweep)[LR], n_trials=4)
+    points = [(t.params[LR], t.params[WD]) for t in study.trials]
     assert sorted(points) == [(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)]
     assert remaining(study, sweep, None) == 0
 
@@ -139,9 +141,9 @@ def test_grid_of_two_parameters_runs_each_combination_once(tmp_path):
 @pytest.mark.parametrize("change, key", [
     ({"method": "hillclimb"}, "`method`"),
     ({"metric": {"goal": "maximize"}}, "`metric.name`"),
-    ({"parameters": {"model.lr": {"distribution": "lognormal", "min": 0.1, "max": 1.0}}},
-     "`parameters.model.lr.distribution`"),
-    ({"parameters": {"model.lr": {"min": 0.1, "max": 1.0}}}, "`parameters.model.lr`"),  # continuous in a grid
+    ({"parameters": {LR: {"distribution": "lognormal", "min": 0.1, "max": 1.0}}},
+     "`parameters.model.optimizer.lr.distribution`"),
+    ({"parameters": {LR: {"min": 0.1, "max": 1.0}}}, "`parameters.model.optimizer.lr`"),  # continuous, in a grid
     ({"early_terminate": {"type": "median"}}, "`early_terminate.type`"),
     ({"command": ["imgcls", "validate"]}, "`command`"),
     ({"paramters": {}}, "`paramters`"),
@@ -185,8 +187,8 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     # Three points: one finished before the kill, one cut short by it, one not started yet. (A grid's combinations of
     # two parameters: test_grid_of_two_parameters_runs_each_combination_once.)
     path = write_sweep(tmp_path / "grid.yaml", digits_root, name="grid3", parameters={
-        "model.lr": {"values": [0.02, 0.05, 0.2]},
-        "model.weight_decay": {"values": [0.05]},
+        LR: {"values": [0.02, 0.05, 0.2]},
+        WD: {"values": [0.05]},
         "trainer.max_epochs": {"value": 1},
     })
     out = tmp_path / "sweep"
@@ -225,7 +227,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     trials = _trials(db, "grid3")
     done = [t for t in trials if t.state == TrialState.COMPLETE]
-    points = {(t.params["model.lr"], t.params["model.weight_decay"]) for t in done}
+    points = {(t.params[LR], t.params[WD]) for t in done}
     assert points == {(0.02, 0.05), (0.05, 0.05), (0.2, 0.05)}
     assert len(done) == 3, "a finished grid point was run twice"
     kept = next(t for t in done if t.number == first[0].number)
@@ -247,7 +249,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
 @pytest.mark.slow
 def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_root):
     path = write_sweep(tmp_path / "random.yaml", digits_root, name="random2", method="random", run_cap=2,
-                       parameters={"model.lr": {"distribution": "log_uniform_values", "min": 0.005, "max": 0.05},
+                       parameters={LR: {"distribution": "log_uniform_values", "min": 0.005, "max": 0.05},
                                    "trainer.max_epochs": {"value": 1}},
                        early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3},
                        command=sweep_command(digits_root, CONFIGS / "loggers" / "wandb.yaml"))
@@ -279,13 +281,13 @@ def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypat
     at run_cap each: after each of its trials a sweep counts the study's. A trial already running then still
     finishes, so two sweeps may end one trial over."""
     path = write_sweep(tmp_path / "random.yaml", tmp_path, name="capped", method="random", run_cap=3,
-                       parameters={"model.lr": {"min": 0.01, "max": 0.1}})
+                       parameters={LR: {"min": 0.01, "max": 0.1}})
     both_started = threading.Barrier(2, timeout=120)
 
     def trial_in_memory(trial, sweep, out, url):
         if trial.number < 2:
             both_started.wait()  # each sweep has counted the trials it has to run before either finishes one
-        return suggest(trial, sweep)["model.lr"]
+        return suggest(trial, sweep)[LR]
 
     monkeypatch.setattr("training.sweep.check_keys", lambda sweep: None)
     monkeypatch.setattr("training.sweep.run_trial", trial_in_memory)
@@ -304,7 +306,7 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
     """--workers 2 on a journal file: two trial processes report into it at the same time, one of them is pruned,
     and the sweep reads each outcome back; run_cap ends it."""
     path = write_sweep(tmp_path / "random.yaml", tmp_path, name="journal2", method="random", run_cap=3,
-                       parameters={"model.lr": {"distribution": "log_uniform_values", "min": 0.005, "max": 0.05}},
+                       parameters={LR: {"distribution": "log_uniform_values", "min": 0.005, "max": 0.05}},
                        early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3})
     _fake_trials(monkeypatch, prune="1")
     monkeypatch.setenv("FAKE_TRIAL_MEET", "2")  # the first two overlap however slowly the processes start
@@ -315,7 +317,7 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
     first, second = trials[:2]
     assert max(first.datetime_start, second.datetime_start) < min(first.datetime_complete, second.datetime_complete)
     for t in trials:  # val/acc = lr * epoch in the fake trial; a pruned trial's value is its last report
-        lr, epochs = t.params["model.lr"], 1 if t.state == TrialState.PRUNED else 2
+        lr, epochs = t.params[LR], 1 if t.state == TrialState.PRUNED else 2
         assert t.intermediate_values == pytest.approx({e: lr * (e + 1) for e in range(epochs)})
         assert t.value == pytest.approx(lr * epochs)
     assert not (out / "sweep.db").exists()

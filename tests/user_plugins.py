@@ -19,3 +19,10 @@ class FocalLoss(nn.Module):
         soft = F.one_hot(target, logits.shape[1]).float() if target.ndim == 1 else target.float()
         weight = (1 - log_p.exp()) ** self.gamma
         return -(soft * weight * log_p).sum(dim=1).mean()
+
+
+class LinearDecay(torch.optim.lr_scheduler.LambdaLR):
+    """From each group's lr down to 0 at the run's last step; `total_steps` comes from the model."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> None:
+        super().__init__(optimizer, lambda step: max(0.0, 1 - step / total_steps))

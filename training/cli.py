@@ -85,7 +85,7 @@ class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
 
 class _ArgumentParser(LightningArgumentParser):
     """Every parse error is one line: a value out of its range or choices as the model and data word it
-    (`model.lr=-0.1 must be positive`), and a misspelt key with the closest valid ones (not a page of usage)."""
+    (`data.image_size=16 is below 32`), and a misspelt key with the closest valid ones (not a page of usage)."""
 
     def error(self, message: str, ex: Exception | None = None):
         message = moved_value_message(message) or class_path_error(message) or plain_parser_error(message)
@@ -104,10 +104,19 @@ MOVED_KEYS = {
                              "lightning_modules.losses.BinaryCrossEntropy)",
     "model.bce_target_threshold": "model.loss.target_threshold, with --model.loss "
                                   "lightning_modules.losses.BinaryCrossEntropy",
+    "model.lr": "model.optimizer.lr (an argument of the optimizer, per 256 images)",
+    "model.momentum": "model.optimizer.momentum (SGD; AdamW and LAMB: model.optimizer.betas)",
+    "model.nesterov": "model.optimizer.nesterov (an argument of torch.optim.SGD)",
+    "model.weight_decay": "model.optimizer.weight_decay (an argument of the optimizer)",
+    "model.warmup_epochs": "model.lr_scheduler.warmup_epochs, with --model.lr_scheduler "
+                           "lightning_modules.schedules.WarmupCosine",
 }
 MOVED_VALUES = {
     ("model.loss", "ce"): "torch.nn.CrossEntropyLoss",
     ("model.loss", "bce"): "lightning_modules.losses.BinaryCrossEntropy",
+    ("model.optimizer", "sgd"): "torch.optim.SGD",
+    ("model.optimizer", "adamw"): "torch.optim.AdamW",
+    ("model.optimizer", "lamb"): "timm.optim.Lamb",
 }
 
 
@@ -120,7 +129,11 @@ def moved_value_message(message: str) -> str | None:
 
 
 def unknown_keys_message(message: str, parser) -> str:
-    """jsonargparse's `unrecognized arguments: --model.lrr 0.1` with, for each unknown key, the closest valid ones."""
+    """jsonargparse's `unrecognized arguments: --model.lrr 0.1` with, for each unknown key, the closest valid ones; and
+    a moved key that argparse took for an abbreviation (`ambiguous option: --model.lr could match ...`)."""
+    ambiguous = re.match(r"ambiguous option: --([^\s=]+)", message)
+    if ambiguous and ambiguous.group(1) in MOVED_KEYS:
+        return f"--{ambiguous.group(1)} moved to --{MOVED_KEYS[ambiguous.group(1)]}"
     if not message.startswith("unrecognized arguments:"):
         return message
     unknown = [t.split("=")[0].lstrip("-") for t in message.split(":", 1)[1].split() if t.startswith("--")]

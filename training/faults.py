@@ -313,7 +313,7 @@ class NonFiniteLossGuard(Callback):
         step, epoch, batch_idx, loss = pending[int((~finite).nonzero()[0])]
         raise NonFiniteLossError(
             f"training loss is {loss.item()} at step {step} (epoch {epoch}, batch {batch_idx}); last good "
-            f"checkpoint: {last_good_checkpoint(trainer) or 'none yet'}. Lower model.lr, set "
+            f"checkpoint: {last_good_checkpoint(trainer) or 'none yet'}. Lower model.optimizer.lr, set "
             "trainer.gradient_clip_val, or use precision 32-true, then resume with --ckpt_path last"
         )
 

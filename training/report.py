@@ -90,9 +90,11 @@ def summary(run_dir: Path, series: Series, pngs: list[Path]) -> str:
     if config_path.is_file():
         config = yaml.safe_load(config_path.read_text())
         model, data, trainer = config.get("model", {}), config.get("data", {}), config.get("trainer", {})
+        optimizer = model.get("optimizer") or {}  # class_path and init_args; null: the recipe's SGD
         lines += ["| setting | value |", "|---|---|"]
         for key, value in (("model.arch", model.get("arch")), ("model.weights", model.get("weights")),
-                           ("model.optimizer", model.get("optimizer")), ("model.lr", model.get("lr")),
+                           ("model.optimizer", optimizer.get("class_path", "torch.optim.SGD")),
+                           ("model.optimizer.lr", (optimizer.get("init_args") or {}).get("lr", 0.1)),
                            ("data.root", data.get("root")), ("data.image_size", data.get("image_size")),
                            ("data.batch_size", data.get("batch_size")), ("trainer.devices", trainer.get("devices")),
                            ("trainer.max_epochs", trainer.get("max_epochs"))):
