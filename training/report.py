@@ -90,6 +90,7 @@ def summary(run_dir: Path, series: Series, pngs: list[Path]) -> str:
     if config_path.is_file():
         config = yaml.safe_load(config_path.read_text())
         model, data, trainer = config.get("model", {}), config.get("data", {}), config.get("trainer", {})
+        data = data.get("init_args", data)  # the data source's arguments, under its class_path
         lines += ["| setting | value |", "|---|---|"]
         for key, value in (("model.arch", model.get("arch")), ("model.weights", model.get("weights")),
                            ("model.optimizer", model.get("optimizer")), ("model.lr", model.get("lr")),
