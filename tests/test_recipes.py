@@ -38,7 +38,8 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
     config = yaml.safe_load((run / "config.yaml").read_text())
     for key, value in expected.items():
         section, name = key.split(".")
-        assert config[section][name] == value, key
+        values = config[section].get("init_args", config[section])  # data: under its class_path
+        assert values[name] == value, key
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert checkpoint["global_step"] == 4
     assert ("current_model_state" in checkpoint) == ema  # EMAWeightAveraging appended to the base callbacks
