@@ -2,12 +2,14 @@
 demo-data builder. A source of your own subclasses `ClassificationData` (docs/EXTENDING.md, "Data source")."""
 
 from datamodules.base import ClassificationData
+from datamodules.csv_manifest import CsvDataModule
+from datamodules.hugging_face import HFDataModule
 from datamodules.image_data import ImageData
 from datamodules.image_folder import ImageFolderDataModule
 from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain
 
-__all__ = ["ClassificationData", "ClassificationPresetEval", "ClassificationPresetTrain", "ImageData",
-           "ImageFolderDataModule", "ShardsDataModule"]
+__all__ = ["ClassificationData", "ClassificationPresetEval", "ClassificationPresetTrain", "CsvDataModule",
+           "HFDataModule", "ImageData", "ImageFolderDataModule", "ShardsDataModule"]
 
 
 def __getattr__(name: str):

@@ -12,9 +12,10 @@ from datamodules.datasets import UnreadableImageError
 from training.checkpointing import CheckpointWriteError, UnsafeCheckpointError
 from training.faults import NonFiniteLossError, lost_peer_message
 
-# Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError, NonFiniteLossError,
-               CheckpointWriteError)
+# Errors caused by what the user gave us (config values, files, folders, a source whose extra is not installed),
+# reported in one line without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError, UnsafeCheckpointError,
+               NonFiniteLossError, CheckpointWriteError)
 _PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
                                                                              "training"))
 
