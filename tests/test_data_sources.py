@@ -17,7 +17,17 @@ import yaml
 from datamodules import ClassificationData, CsvDataModule, ImageFolderDataModule
 from datamodules.datasets import SeededImages
 from datamodules.images import read_image
-from tests.helpers import CONFIGS, TINY, cli_env, free_port, kill_args, max_diff, run_cli, shipped_config
+from tests.helpers import (
+    CONFIGS,
+    TINY,
+    cli_env,
+    free_port,
+    kill_args,
+    make_image_folder,
+    max_diff,
+    run_cli,
+    shipped_config,
+)
 
 CLASSES = ("0", "1")  # two digits: enough to learn, few images to decode
 PER_CLASS = {"train": 16, "val": 4, "test": 2}
@@ -188,3 +198,17 @@ def test_data_format_names_its_new_place_in_one_line():
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.startswith("imgcls: error:")]
     assert len(lines) == 1 and "--data.class_path datamodules.ShardsDataModule" in lines[0], proc.stderr[-2000:]
+
+
+def test_hugging_face_reads_a_folder_of_images_with_its_imagefolder_builder(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from datamodules import HFDataModule
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))  # not the user's cache
+    root = make_image_folder(tmp_path / "images", {"cat": 3, "dog": 3}, splits=("train", "val"), size=32)
+    data = HFDataModule(str(root), batch_size=2, num_workers=0, image_size=32, preset="none")
+    assert data.class_names == ["cat", "dog"] and sorted(data.splits) == ["train", "validation"]
+    data.setup("fit")
+    assert (len(data.train_set), len(data.val_set)) == (6, 6)  # validation/ is the val split: nothing held out
+    path = data.train_set._cell(0)["path"]
+    assert torch.equal(data.train_set[0][0], data.train_set.transform(read_image(path)))
