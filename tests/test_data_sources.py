@@ -212,3 +212,31 @@ def test_hugging_face_reads_a_folder_of_images_with_its_imagefolder_builder(tmp_
     assert (len(data.train_set), len(data.val_set)) == (6, 6)  # validation/ is the val split: nothing held out
     path = data.train_set._cell(0)["path"]
     assert torch.equal(data.train_set[0][0], data.train_set.transform(read_image(path)))
+
+
+def test_a_batch_without_seeds_is_augmented_from_the_datamodules_own_checkpointed_batch_count(tmp_path):
+    """augment_on_device with a sampler that gives no per-draw seeds: each training batch draws from the count of
+    training batches the DataModule has transferred, which its state_dict carries into a resumed run (no loop
+    internals of the trainer are read)."""
+    from types import SimpleNamespace
+
+    from datamodules.datasets import collate_encoded
+
+    root = make_image_folder(tmp_path / "images", {"a": 2, "b": 2}, splits=("train", "val"), size=48, ext=".jpg")
+
+    def datamodule() -> ImageFolderDataModule:
+        data = ImageFolderDataModule(str(root), batch_size=2, num_workers=0, image_size=32, preset="imagenet",
+                                     augment_on_device=True, scan_cache=False)
+        data.setup("fit")
+        data.trainer = SimpleNamespace(training=True, global_rank=0, current_epoch=0)  # what the hooks read
+        return data
+
+    data = datamodule()
+    batch = collate_encoded([data.train_set[i] for i in range(2)])  # plain indices: no seeds in the batch
+    first = data.on_after_batch_transfer(batch, 0)[0]
+    state = data.state_dict()
+    second = data.on_after_batch_transfer(batch, 0)[0]
+    assert state == {"training_batches": 1} and not torch.equal(first, second)  # each batch its own crops
+    resumed = datamodule()
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.on_after_batch_transfer(batch, 0)[0], second)

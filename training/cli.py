@@ -369,10 +369,9 @@ class _DataInstantiator(_InstantiatorFn):
 
 
 def data_args(config) -> Namespace:
-    """The data source's arguments in a command's config: `data.init_args` (the config names the class by
-    `data.class_path`), or `data` itself in a config that has not been through the parser."""
-    data = config.data
-    return data.init_args if data.get("class_path") and data.get("init_args") is not None else data
+    """The data source's arguments in a command's config: `data.init_args` (the config names its class by
+    `data.class_path`)."""
+    return config.data.init_args
 
 
 def explicit_values(parser: LightningArgumentParser, args):
