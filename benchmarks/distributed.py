@@ -171,7 +171,7 @@ def held_out_correct(run: Path) -> tuple[int, int]:
     from training.trainer import Trainer  # resolves the config's `precision: auto` as the run did
 
     config = yaml.safe_load((run / "config.yaml").read_text())
-    data = ImageFolderDataModule(**{**config["data"], "num_workers": 0})
+    data = ImageFolderDataModule(**{**config["data"]["init_args"], "num_workers": 0})  # the run's data source
     model = ImageClassifier.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu",
                                                  weights_only=True)
     trainer = Trainer(accelerator="cpu", devices=1, precision=config["trainer"]["precision"], logger=False,

@@ -1,5 +1,5 @@
-"""Streaming shards: images/s of the training loader from LitData shards (`data.format: litdata`) against from the
-image folder they were converted from, on the same disk, and the conversion's own rate.
+"""Streaming shards: images/s of the training loader from LitData shards (`datamodules.ShardsDataModule`) against
+from the image folder they were converted from, on the same disk, and the conversion's own rate.
 
     python -m benchmarks.shards [--quick]
 
@@ -26,7 +26,7 @@ from benchmarks.common import cores, interleaved, mean_jpeg_kb, one_torch_thread
 from benchmarks.input_pipeline import per_image_with_workers
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import ScanCache
-from datamodules.shards import prepare_data
+from datamodules.shards import ShardsDataModule, prepare_data
 
 TITLE = "Streaming shards"
 FOLDER = "image folder (data.format folder)"
@@ -37,14 +37,15 @@ SHARDS_READ = "LitData shards, read only (augment_on_device)"
 
 def loaders(folder: Path, shards: Path, size: int, batch: int, workers: int) -> dict[str, Callable[[], DataLoader]]:
     """name -> a function making that training loader (a new one, and new workers, each call)."""
-    def make(root: Path, fmt: str, read_only: bool) -> Callable[[], DataLoader]:
-        dm = ImageFolderDataModule(root=str(root), format=fmt, batch_size=batch, num_workers=workers,
-                                   image_size=size, persistent_workers=False, augment_on_device=read_only)
+    def make(root: Path, source: type, read_only: bool) -> Callable[[], DataLoader]:
+        dm = source(root=str(root), batch_size=batch, num_workers=workers, image_size=size, persistent_workers=False,
+                    augment_on_device=read_only)
         dm.setup("fit")
         return dm.train_dataloader
 
-    return {FOLDER: make(folder, "folder", False), SHARDS: make(shards, "litdata", False),
-            FOLDER_READ: make(folder, "folder", True), SHARDS_READ: make(shards, "litdata", True)}
+    # The labels are the stored results' names of the two sources.
+    return {FOLDER: make(folder, ImageFolderDataModule, False), SHARDS: make(shards, ShardsDataModule, False),
+            FOLDER_READ: make(folder, ImageFolderDataModule, True), SHARDS_READ: make(shards, ShardsDataModule, True)}
 
 
 def per_image_after_one(make: Callable[[], DataLoader], batches: int | None = 1) -> list[float]:

@@ -1,5 +1,5 @@
-"""The datasets behind the image-folder loaders: (path, target) pairs held in numpy arrays, so that forked loader
-workers copy nothing, and the collate functions of their batches."""
+"""The datasets behind the loaders: samples drawn by (index, seed) for exact resumes, (path, target) pairs held in
+numpy arrays so that forked loader workers copy nothing, and the collate functions of their batches."""
 
 from __future__ import annotations
 
@@ -64,7 +64,81 @@ class Samples(_ArraySequence):
         return self.paths[index], target if target.ndim else int(target)
 
 
-class ImageFiles(Dataset):
+class UnreadableImageError(ValueError):
+    """An image that could not be read during training (it broke after the start-of-fit scan)."""
+
+
+class SeededImages(Dataset):
+    """(image, target) samples drawn by index, or by (index, seed) as the training sampler yields them
+    (`SeededDraws`): the transform's random draws then come from that seed alone, inside a forked generator, so
+    the process's own random state is left as it was and a resumed run draws what the uninterrupted one drew.
+
+    A subclass holds `targets` (int64 class indices, or (N, C) uint8 multi-hot rows) and `transform`, and reads
+    sample `index` in `_image(index)` (a decoded uint8 (3, H, W) image, or what the transform decodes itself);
+    `transform` None (augment_on_device) returns what was read, with the draw's seed for `augment_batch`.
+    """
+
+    targets: np.ndarray
+    transform = None
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def _image(self, index: int):
+        raise NotImplementedError
+
+    def _name(self, index: int) -> str:
+        """How errors name sample `index` (its path)."""
+        raise NotImplementedError
+
+    def _load(self, index: int):
+        # A file that broke after the start-of-fit scan: name it, instead of a bare PIL error from a worker. The
+        # transform is inside too: with data.fast_decode it decodes the JPEG.
+        try:
+            image = self._image(index)
+            return self.transform(image) if self.transform is not None else image
+        except Exception as err:
+            raise UnreadableImageError(f"cannot read image {self._name(index)}: {err}; remove or replace it "
+                                       "(data.bad_images: skip drops unreadable files at the start of fit)") from err
+
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple:
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        target = self.targets[index]
+        target = torch.from_numpy(target.astype(np.float32)) if target.ndim else int(target)
+        if seed is None:
+            return self._load(index), target
+        if self.transform is None:  # augment_on_device: the seed travels with the file to `augment_batch`
+            return self._load(index), target, seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self._load(index), target
+
+
+class SeededItems(Dataset):
+    """Any map-style dataset of (image, target), indexed by (index, seed) pairs: each item is drawn with torch's
+    global generator seeded by its seed, inside a forked generator. The base DataModule wraps a training set that is
+    not a `SeededImages` in it; its random transforms must draw from torch's generator (torchvision's do)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def targets(self):
+        return self.dataset.targets  # for data.sampler: balanced
+
+    def __getitem__(self, item: int | tuple[int, int]):
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        if seed is None:
+            return self.dataset[index]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+class ImageFiles(SeededImages):
     """(image, target) pairs from (path, target) pairs, stored in numpy arrays (`paths`, `targets`). A target is a
     class index, or for multi-label data a multi-hot row of 0/1 per class (given as a numpy array), which the
     dataset returns as a float tensor.
@@ -87,22 +161,11 @@ class ImageFiles(Dataset):
     def samples(self) -> Samples:
         return Samples(self.paths, self.targets)
 
-    def __len__(self) -> int:
-        return len(self.targets)
+    def _image(self, index: int):
+        return self.read(self.paths[index])
 
-    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int | torch.Tensor]:
-        """`item`: an index, or (index, seed) from the training sampler (SeededDraws): the transform's random draws
-        then come from that seed alone, and the process's own random state is left as it was."""
-        index, seed = item if isinstance(item, tuple) else (item, None)
-        target = self.targets[index]
-        target = torch.from_numpy(target.astype(np.float32)) if target.ndim else int(target)
-        if seed is None:
-            return _load(self.read, self.transform, self.paths[index]), target
-        if self.transform is None:  # augment_on_device: the seed travels with the file to `augment_batch`
-            return _load(self.read, None, self.paths[index]), target, seed
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return _load(self.read, self.transform, self.paths[index]), target
+    def _name(self, index: int) -> str:
+        return self.paths[index]
 
 
 class PredictImages(ImageFiles):
@@ -110,21 +173,6 @@ class PredictImages(ImageFiles):
 
     def __init__(self, paths: list[str], transform, read=read_image) -> None:
         super().__init__([(p, i) for i, p in enumerate(paths)], transform, read)
-
-
-class UnreadableImageError(ValueError):
-    """An image that could not be read during training (it broke after the start-of-fit scan)."""
-
-
-def _load(read, transform, path: str):
-    # A file that broke after the start-of-fit scan: name it, instead of a bare PIL error from a worker. The
-    # transform is inside too: with data.fast_decode it decodes the JPEG.
-    try:
-        image = read(path)
-        return transform(image) if transform is not None else image
-    except Exception as err:
-        raise UnreadableImageError(f"cannot read image {path}: {err}; remove or replace it (data.bad_images: skip "
-                                   "drops unreadable files at the start of fit)") from err
 
 
 def stack_images(images: list[torch.Tensor]) -> torch.Tensor:

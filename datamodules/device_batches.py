@@ -7,15 +7,16 @@ import lightning as L
 import torch
 from torchvision.transforms.v2 import functional as TF
 
+from core.seeding import batch_seed
 from datamodules.datasets import stack_images
 from datamodules.images import decode_images
-from datamodules.samplers import augment_seed
 
 
 class DeviceBatches(L.LightningDataModule):
     """The LightningDataModule hooks that finish a batch on the device. The subclass sets `float_transform`,
-    `progressive_resizing` ({epoch: side} or None), `train_image_size` and `_device_transforms` ("train" | "eval" ->
-    the uint8 preset, for augment_on_device)."""
+    `progressive_resizing` ({epoch: side} or None), `train_image_size`, `_device_transforms` ("train" | "eval" ->
+    the uint8 preset, for augment_on_device) and `training_batches`, the count of training batches transferred so
+    far (which it checkpoints): the index of the batch in hand, without asking the trainer's loops."""
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
         x, y, *seeds = batch
@@ -26,13 +27,16 @@ class DeviceBatches(L.LightningDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """uint8 images -> float32, normalized, on the device; the second element (targets or indices) is kept."""
         x, y, *seeds = batch
+        trainer = self.trainer
+        train = trainer is not None and trainer.training
+        if train:
+            index, self.training_batches = self.training_batches, self.training_batches + 1
         if isinstance(x, list):
-            trainer = self.trainer
-            train = trainer is not None and trainer.training
-            # Each draw's own seed (SeededDraws), as the workers use it; else (a sampler of the user's) one per batch.
-            seed = (seeds[0].tolist() if seeds else augment_seed(trainer)) if train else None
+            # Each draw's own seed (SeededDraws), as the workers use it; else (a sampler of the user's) one per batch,
+            # from the batch's index in the run, on a stream of its own.
+            seed = (seeds[0].tolist() if seeds else batch_seed(index, trainer.global_rank, stream=1)) if train else None
             x = self.augment_batch(x, y.device, train=train, seed=seed)
-        if self.progressive_resizing and self.trainer is not None and self.trainer.training:
+        if self.progressive_resizing and train:
             side = self.train_side(self.trainer.current_epoch)
             if side != x.shape[-1]:
                 x = TF.resize(x, [side, side], antialias=True)  # (B, 3, side, side), uint8 stays uint8

@@ -148,6 +148,24 @@ def read_encoded(path: str) -> torch.Tensor:
     return read_image(path)
 
 
+_JPEG = b"\xff\xd8\xff"
+
+
+def decode_bytes(data, *, encoded: bool = False) -> torch.Tensor:
+    """An image file's bytes -> uint8 (3, H, W) RGB, the pixels `read_image` gives for the file. With `encoded`, a
+    JPEG stays its bytes (1-D uint8, as `read_encoded` leaves it) for the fast-decode crop or the device."""
+    buffer = bytearray(data)  # writable, as torch.frombuffer wants; LitData and Arrow hand out views
+    if buffer[:3] == _JPEG:
+        tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+        if encoded:
+            return tensor
+        try:
+            return decode_jpeg(tensor, mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # a JPEG that libjpeg-turbo refuses: PIL decodes it or raises an error naming it
+    return pil_to_tensor(load_rgb(io.BytesIO(buffer)))
+
+
 def decode_images(items: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """`read_encoded` results -> uint8 (3, H, W) RGB images on `device`; the JPEGs in one batched decode call.
 

@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import Dataset, DistributedSampler
 
-from core.seeding import batch_seed, draw_seed
+from core.seeding import draw_seed
 
 
 class RepeatedAugmentationSampler(DistributedSampler):
@@ -117,9 +117,3 @@ def worker_init(worker_id: int, rank: int) -> None:
     gc.freeze()
     if int(os.environ.get("PL_SEED_WORKERS", 0)):
         pl_worker_init_function(worker_id, rank=rank)
-
-
-def augment_seed(trainer) -> int:
-    """The seed of the batch in hand's device augmentation. Read in the transfer hook, before Lightning counts the
-    batch in hand: the count so far is its index."""
-    return batch_seed(trainer.fit_loop.epoch_loop.batch_progress.total.ready, trainer.global_rank, stream=1)

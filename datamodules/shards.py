@@ -1,15 +1,15 @@
 """Image folders as LitData shards, for data kept on shared storage or in a bucket: the conversion (`imgcls
-prepare-data`) and the streaming datasets and loader that ``data.format: litdata`` trains from.
+prepare-data`), and the data source that trains from them (`ShardsDataModule`) with its streaming datasets and loader.
 
     imgcls prepare-data my_images /shared/my_images_shards
-    imgcls fit --config configs/quickstart.yaml --data.format litdata --data.root /shared/my_images_shards
+    imgcls fit --config configs/quickstart.yaml --data.class_path datamodules.ShardsDataModule \
+        --data.root /shared/my_images_shards
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import math
 import os
@@ -24,21 +24,19 @@ import torch
 from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming.downloader import get_downloader
 from litdata.streaming.sampler import ChunkedIndex
-from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms.v2.functional import pil_to_tensor
 
+from core.seeding import draw_seed
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.datasets import UnreadableImageError
+from datamodules.image_data import ImageData, Transforms
 from datamodules.image_folder import ImageFolderDataModule
-from datamodules.images import load_rgb
-from datamodules.samplers import draw_seed
+from datamodules.images import decode_bytes
 
 # Lightning warns about any IterableDataset with a length on several workers; LitData's is what this process's
 # workers yield, whatever their number.
 warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
 META = "imgcls-shards.json"  # beside the splits' folders; written last, so a converted folder has it
-_JPEG = b"\xff\xd8\xff"
 
 
 # ---- conversion -------------------------------------------------------------------------------------------------
@@ -113,21 +111,6 @@ def split_dir(root: str, split: str) -> str:
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
-
-
-def decode_bytes(data, *, encoded: bool = False) -> torch.Tensor:
-    """An image file's bytes -> uint8 (3, H, W) RGB, the pixels `read_image` gives for the file. With `encoded`, a
-    JPEG stays its bytes (1-D uint8, as `read_encoded` leaves it) for the fast-decode crop or the device."""
-    buffer = bytearray(data)  # writable, as torch.frombuffer wants; LitData hands out a view of its chunk
-    if buffer[:3] == _JPEG:
-        tensor = torch.frombuffer(buffer, dtype=torch.uint8)
-        if encoded:
-            return tensor
-        try:
-            return decode_jpeg(tensor, mode=ImageReadMode.RGB)
-        except RuntimeError:
-            pass  # a JPEG that libjpeg-turbo refuses: PIL decodes it or raises an error naming it
-    return pil_to_tensor(load_rgb(io.BytesIO(buffer)))
 
 
 class ShardImages(StreamingDataset):
@@ -224,6 +207,64 @@ class ShardLoader(StreamingDataLoader):
         self._resume = "spent" if spent else "position" if self.restore else None
 
 
+class ShardsDataModule(ImageData):
+    """LitData shards that `imgcls prepare-data` wrote from an image folder, in a folder or a bucket (``s3://``),
+    streamed by LitData: the splits, class names and the bad-file scan come from that conversion, and the training
+    order is LitData's shuffle, shared out among ranks and workers by LitData itself (no sampler). Training samples
+    are augmented from a seed of (run seed, epoch, sample), and the loader's position is checkpointed, so a resumed
+    run goes on exactly (`ShardLoader`).
+
+    Args:
+        root: the shards' folder or URL (what `imgcls prepare-data` was given as OUT_DIR). May be null for
+            ``predict`` from a checkpoint, which carries the class names.
+        **kwargs: the transform settings (`ImageData`: preset, image_size, predict_dir, ...) and the loader settings
+            (`ClassificationData`: batch_size, num_workers, ...); sampler must stay ``random`` and
+            repeated_augmentation 1.
+    """
+
+    def __init__(self, root: str | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if self.sampling == "balanced" or self.repeated_augmentation > 1:
+            raise ValueError("datamodules.ShardsDataModule draws with LitData's shuffle: set data.sampler: random and "
+                             "data.repeated_augmentation: 1")
+        # A string, which LitData reads as given: Path would fold s3:// into s3:/.
+        self.root = os.path.expanduser(root) if root else None
+        self.shard_counts: dict[str, int] | None = None  # images per split of the shards
+        if self.root is not None:  # what `imgcls prepare-data` wrote beside the shards
+            meta = read_meta(self.root)
+            self.class_names, self.multilabel = meta["class_names"], meta["multilabel"]
+            self.shard_counts = meta["counts"]
+
+    def setup_datasets(self, stage: str, transforms: Transforms) -> None:
+        if self.root is None:
+            raise ValueError(f"data.root is required for {stage}; pass --data.root SHARDS_FOLDER_OR_URL")
+        if stage in ("fit", "validate") and self.train_set is None:
+            self.train_set = training_split(self.root, transforms.train, encoded=transforms.train_encoded,
+                                            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), batch_size=self.batch_size,
+                                            world_size=self.trainer.world_size if self.trainer else 1,
+                                            count=self.shard_counts["train"])
+            self.val_set = ShardImages(split_dir(self.root, "val"), transforms.eval, encoded=transforms.eval_encoded)
+        if stage == "test":
+            if "test" not in self.shard_counts:
+                raise FileNotFoundError(f"the shards at {self.root} have no test split; `imgcls test` needs one")
+            self.test_set = ShardImages(split_dir(self.root, "test"), transforms.eval, encoded=transforms.eval_encoded)
+
+    def _shard_loader(self, dataset: ShardImages, *, train: bool) -> ShardLoader:
+        # LitData shuffles, shares out among ranks (each image to one rank in evaluation) and drops the last samples.
+        trainer = self.trainer
+        return ShardLoader(dataset, epoch=(lambda: trainer.current_epoch) if trainer and train else None,
+                           **self.loader_options(train))
+
+    def train_dataloader(self) -> ShardLoader:
+        return self._shard_loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> ShardLoader:
+        return self._shard_loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> ShardLoader:
+        return self._shard_loader(self.test_set, train=False)
+
+
 # ---- the command ------------------------------------------------------------------------------------------------
 
 
@@ -240,4 +281,5 @@ def main(argv: list[str] | None = None) -> None:
                         split_seed=args.split_seed, chunk_bytes=args.chunk_bytes)
     counts = ", ".join(f"{split} {n}" for split, n in meta["counts"].items())
     print(f"shards in {args.out_dir}: {counts} images, {len(meta['class_names'])} classes, "
-          f"{len(meta['left_out'])} left out; train with --data.format litdata --data.root {args.out_dir}")
+          f"{len(meta['left_out'])} left out; train with --data.class_path datamodules.ShardsDataModule --data.root "
+          f"{args.out_dir}")

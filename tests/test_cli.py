@@ -54,7 +54,9 @@ def test_production_config_prints_on_its_own():
     # precision auto is 16-mixed on these GPUs (tests/test_hardware.py checks the rule on a mocked CUDA machine)
     assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "auto")
     assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
-    assert (model["arch"], model["weights"], printed["data"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
+    data = printed["data"]
+    assert data["class_path"] == "datamodules.ImageFolderDataModule"  # the default data source
+    assert (model["arch"], model["weights"], data["init_args"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
     monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"]
                  if c["class_path"].endswith("ModelCheckpoint")]
     assert "val/acc" in monitored

@@ -224,7 +224,7 @@ def test_loader_workers_freeze_the_inherited_heap_and_keep_lightnings_seeding(tm
     root = make_image_folder(tmp_path / "images", {"a": 2, "b": 2}, splits=("train",), size=32)
     data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=1, persistent_workers=False)
     L.seed_everything(5, workers=True)  # what LightningCLI does: Lightning then seeds each worker
-    ours = next(iter(data._loader(_WorkerProbe(), shuffle=False)))
+    ours = next(iter(data._loader(_WorkerProbe(), train=False)))
     L.seed_everything(5, workers=True)
     lightnings = next(iter(torch.utils.data.DataLoader(_WorkerProbe(), batch_size=4, num_workers=1,
                                                        worker_init_fn=functools.partial(pl_worker_init_function,

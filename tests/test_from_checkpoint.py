@@ -133,7 +133,7 @@ def test_an_explicit_image_size_other_than_trainings_warns_and_is_obeyed(run, da
                    *EVAL, "--trainer.default_root_dir", str(tmp_path))
     warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "data.image_size=48 is set" in line]
     assert len(warned) == 1 and "the model was trained with 32" in warned[0] and "validate uses 48" in warned[0]
-    resolved = yaml.safe_load((tmp_path / "validate_config.yaml").read_text())["data"]
+    resolved = yaml.safe_load((tmp_path / "validate_config.yaml").read_text())["data"]["init_args"]
     assert (resolved["image_size"], resolved["eval_image_size"], resolved["preset"]) == (48, None, "none")
 
 

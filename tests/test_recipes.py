@@ -43,8 +43,9 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
             "--data.train_image_size", "40", "--data.progressive_resizing", "{0: 32, 1: 40}", env=cli_env())
     config = yaml.safe_load((run / "config.yaml").read_text())
     for key, value in expected.items():
-        node = config
-        for part in key.split("."):
+        section, _, rest = key.partition(".")
+        node = config[section].get("init_args", config[section]) if section == "data" else config[section]
+        for part in rest.split("."):
             node = node[part]
         assert node == value, key
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")

@@ -1,5 +1,5 @@
-"""LitData shards (`imgcls prepare-data`, `data.format: litdata`): the conversion, the pixels, the split among ranks,
-2-process DDP seeing each image once per epoch, and a SIGKILL mid-epoch resumed to the uninterrupted weights."""
+"""LitData shards (`imgcls prepare-data`, `datamodules.ShardsDataModule`): the conversion, the pixels, the split among
+ranks, 2-process DDP seeing each image once per epoch, and a SIGKILL mid-epoch resumed to the uninterrupted weights."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from litdata import StreamingDataset
 from PIL import Image
 
 from datamodules import ImageFolderDataModule
-from datamodules.shards import ShardLoader, main, training_split
+from datamodules.shards import ShardLoader, ShardsDataModule, main, training_split
 from tests.helpers import cli_env, free_port, kill_args, make_image_folder, max_diff, run_cli, shipped_config
 
 BAD_REASON = "not an image (PIL cannot identify the format)"
@@ -60,7 +60,7 @@ def test_shards_give_the_folders_pixels_and_seeded_augmentation(converted):
     src, shards, _ = converted
     options = dict(batch_size=4, num_workers=0, image_size=32, preset="imagenet")
     folder = ImageFolderDataModule(root=str(src), bad_images="skip", scan_cache=False, **options)
-    streamed = ImageFolderDataModule(root=str(shards), format="litdata", **options)
+    streamed = ShardsDataModule(root=str(shards), **options)
     assert streamed.class_names == folder.class_names and streamed.num_classes == 2
     folder.setup("fit")
     streamed.setup("fit")
@@ -185,8 +185,8 @@ def _config(tmp_path: Path, shards: Path, *, devices: int, preset: str, every_n_
             c["init_args"]["every_n_train_steps"] = every_n_train_steps
     cfg["trainer"]["callbacks"] = callbacks
     cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
-    cfg["data"].update(root=str(shards), format="litdata", batch_size=8 // devices, num_workers=2, image_size=32,
-                       preset=preset)
+    cfg["data"].update(root=str(shards), batch_size=8 // devices, num_workers=2, image_size=32, preset=preset)
+    cfg["data"] = {"class_path": "datamodules.ShardsDataModule", "init_args": cfg["data"]}
     path = tmp_path / f"config{devices}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -1,4 +1,4 @@
-"""The `imgcls` command: LightningCLI for ImageClassifier + ImageFolderDataModule, plus a few helper commands.
+"""The `imgcls` command: LightningCLI for ImageClassifier + a data source, plus a few helper commands.
 
     imgcls fit --config configs/quickstart.yaml
     imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
@@ -10,7 +10,10 @@ What the CLI adds that no config file shows (`--print_config` does not list thes
 - `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;
 - `training.run_dir.RunConfig`, which saves the resolved config into the run directory;
 - every WandbLogger built as `training.wandb_runs.SecretSafeWandbLogger`;
-- the links data -> model (`num_classes`, `class_names`, `multilabel`, `batch_size`) and the top-level `auto_resume`.
+- the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
+  `auto_resume`.
+The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
+`datamodules.ImageFolderDataModule`; docs/EXTENDING.md, "Data source").
 The run directory and the closing summary are in training/run_dir.py, error reporting in training/errors.py.
 """
 
@@ -29,7 +32,8 @@ import warnings
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
-from jsonargparse import ArgumentError, DefaultHelpFormatter, Namespace
+import yaml
+from jsonargparse import ArgumentError, ArgumentParser, DefaultHelpFormatter, Namespace, set_dumper
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
@@ -37,7 +41,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from core.config_types import class_path_error, plain_parser_error
-from datamodules import ImageFolderDataModule
+from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from training.callbacks import PredictionWriter
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
@@ -64,11 +68,13 @@ from training.wandb_runs import WandbInstantiator, wandb_online
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
     "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
-    "prepare-data": ("datamodules.shards", "convert an image folder into LitData shards (data.format: litdata)"),
+    "prepare-data": ("datamodules.shards", "convert an image folder into LitData shards (ShardsDataModule)"),
     "sweep": ("training.sweep", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
     "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
     "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
 }
+
+DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__name__}"
 
 # Deprecations raised inside the pinned libraries on every fit, which no config can act on: Lightning 2.6's pytree
 # helper under torch 2.14, and torchdata's StatefulDataLoader calling torch's deprecated set_vital.
@@ -77,6 +83,19 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 # Lightning's WeightAveraging (EMA) warns about any model with configure_model, for sharded layers; ours only picks the
 # speed levers (channels_last, compile), so the averaged copy is the whole model.
 warnings.filterwarnings("ignore", message="You're using the WeightAveraging callback with a model that overrides")
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """jsonargparse's YAML dumper (the one `set_dumper` replaces: same keyword arguments), which also writes the
+    restricted numbers (PositiveInt, ImageSide: int and float subclasses) as plain numbers. jsonargparse keeps a
+    value's object when `data.class_path` changes, so the quickstart's image_size, parsed as the image folder's
+    ImageSide, reaches a user's `image_size: int` still an ImageSide, which SafeDumper cannot represent."""
+
+
+_ConfigDumper.add_multi_representer(int, lambda dumper, value: dumper.represent_int(int(value)))
+_ConfigDumper.add_multi_representer(float, lambda dumper, value: dumper.represent_float(float(value)))
+set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_flow_style=False, allow_unicode=True,
+                                          sort_keys=False))
 
 
 class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
@@ -88,8 +107,7 @@ class _ArgumentParser(LightningArgumentParser):
     (`data.image_size=16 is below 32`), and a misspelt key with the closest valid ones (not a page of usage)."""
 
     def error(self, message: str, ex: Exception | None = None):
-        message = moved_value_message(message) or class_path_error(message) or plain_parser_error(message)
-        message = unknown_keys_message(message, self)
+        message = unknown_keys_message(one_line_error(message), self)
         if not self.exit_on_error:  # jsonargparse trying an alternative: it catches this
             super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
@@ -110,6 +128,9 @@ MOVED_KEYS = {
     "model.weight_decay": "model.optimizer.weight_decay (an argument of the optimizer)",
     "model.warmup_epochs": "model.lr_scheduler.warmup_epochs, with --model.lr_scheduler "
                            "lightning_modules.schedules.WarmupCosine",
+    "data.format": "data.class_path: the data source is a class (LitData shards: --data.class_path "
+                   "datamodules.ShardsDataModule; the image folder, datamodules.ImageFolderDataModule, is the "
+                   "default: drop data.format folder)",
 }
 MOVED_VALUES = {
     ("model.loss", "ce"): "torch.nn.CrossEntropyLoss",
@@ -152,6 +173,60 @@ def unknown_keys_message(message: str, parser) -> str:
     return "; ".join(hints) or message
 
 
+# The keys a data source no longer takes, and where they went.
+
+
+def one_line_error(message: str) -> str:
+    """Any of jsonargparse's parse errors as one line: a moved key or value names its new place, a misspelt class
+    its closest ones, a value given to a class chosen by class_path its full key, a value out of range its rule."""
+    moved = moved_value_message(message)
+    if moved:
+        return moved
+    if "has no attribute" in message and (misspelt := class_path_error(message)):
+        return misspelt
+    worded = plain_parser_error(message)
+    for_class = subclass_error_message(worded)
+    if for_class != worded:
+        return for_class
+    return class_path_error(message) or worded
+
+
+def subclass_error_message(message: str) -> str:
+    """jsonargparse's error for a value given to a class chosen by class_path (`data`), a page listing the union's
+    members, as one line: the key in full (`data.image_size=16 is below 32`), a key the class does not take with
+    the closest ones it does, or where a key that moved went."""
+    found = re.match(r'Parser key "([\w.]+)":.*?Problem with given class_path \'([\w.]+)\':\s*\n(.*?)\n\s*- ', message,
+                     re.DOTALL)
+    if found is None:
+        return message
+    section, class_path, inner = found[1], found[2], " ".join(found[3].split())
+    unknown = re.match(r"Option '([\w.]+)' is not accepted", inner)
+    if unknown:
+        key = f"{section}.{unknown[1]}"
+        if key in MOVED_KEYS:
+            return f"--{key} moved to --{MOVED_KEYS[key]}"
+        close = difflib.get_close_matches(unknown[1], _init_keys(class_path), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(f'--{section}.{c}' for c in close)}?" if close else ""
+        return f"--{key} is not an option{hint} ({section}.class_path: {class_path})"
+    if re.match(r"[\w.]+=", inner):  # a value out of range, already worded by plain_parser_error
+        return f"{section}.{inner}"
+    nested = re.match(r'Parser key "([\w.]+)": (.*)', inner)
+    if nested:
+        return f"{section}.{nested[1]}: {nested[2]}"
+    return f"{section}.class_path={class_path}: {inner}"
+
+
+def _init_keys(class_path: str) -> list[str]:
+    """The arguments `class_path` takes, as the parser reads them (those of its parents' too)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(getattr(importlib.import_module(module), name))
+        return [k for k in parser.get_defaults().keys() if not k.startswith("__")]
+    except Exception:  # noqa: BLE001 - only a hint: the message stands without it
+        return []
+
+
 class ImgclsCLI(LightningCLI):
     """Registers the model and data, links what they share, and derives paths from the run directory.
 
@@ -165,6 +240,7 @@ class ImgclsCLI(LightningCLI):
     explicit = None  # the values a config file or the command line set, without the defaults
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})  # a config's `data:` keys are its init_args
         # The data knows its classes once it has listed the folders: nobody types the number of classes.
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
@@ -252,9 +328,10 @@ class ImgclsCLI(LightningCLI):
             config.trainer.callbacks = [c for c in config.trainer.callbacks if not c.class_path.endswith("ProgressBar")]
         if self.saved_run is not None and self.subcommand != "fit":
             explicit = explicit_keys(self.explicit_of(self.subcommand), "data")
-            if self.subcommand == "predict" and not set_by_user("root", explicit):
-                config.data.root = None  # the classes come from the checkpoint: no data folder needed
-            evaluation_data(config.data, explicit, self.saved_run, self.subcommand)
+            data = data_args(config)
+            if self.subcommand == "predict" and "root" in data and not set_by_user("root", explicit):
+                data.root = None  # the classes come from the checkpoint: no data folder needed
+            evaluation_data(data, explicit, self.saved_run, self.subcommand)
 
     def before_fit(self) -> None:
         check_monitored(self.trainer, self.model, self.datamodule)
@@ -263,7 +340,7 @@ class ImgclsCLI(LightningCLI):
         super()._add_instantiators()  # the model and data instantiators below replace the two Lightning adds
         self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
                                     subclasses=self.subclass_mode_model)
-        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ImageFolderDataModule,
+        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ClassificationData,
                                     subclasses=self.subclass_mode_data)
         self.parser.add_instantiator(WandbInstantiator(self), WandbLogger)
 
@@ -327,19 +404,26 @@ class _DataInstantiator(_InstantiatorFn):
         config = cli.config[cli.subcommand]
         if saved is None or saved.class_names is None:
             return datamodule
+        root = data_args(config).get("root")
         if cli.subcommand == "fit":  # the same run (its classes and data), and not finished
-            check_same_data(saved, config.data.root, datamodule.class_names, cli.resume_how)
+            check_same_data(saved, root, datamodule.class_names, cli.resume_how)
             check_unfinished(saved, config.trainer.max_epochs, config.trainer.max_steps, cli.resume_how)
             return datamodule
         multilabel = bool(saved.model.get("multilabel"))
         if cli.subcommand != "predict":
-            datamodule.class_names = check_classes(datamodule.class_names, saved, config.data.root, cli.subcommand)
+            datamodule.class_names = check_classes(datamodule.class_names, saved, root, cli.subcommand)
             if datamodule.multilabel != multilabel:
-                kinds = {True: "multi-label (labels.csv)", False: "single-label (class folders)"}
+                kinds = {True: "multi-label", False: "single-label"}
                 raise ClassMismatchError(f"the checkpoint {saved.path} is {kinds[multilabel]} and data.root="
-                                         f"{config.data.root} is {kinds[datamodule.multilabel]}")
+                                         f"{root} is {kinds[datamodule.multilabel]}")
         datamodule.class_names, datamodule.multilabel = saved.class_names, multilabel
         return datamodule
+
+
+def data_args(config) -> Namespace:
+    """The data source's arguments in a command's config: `data.init_args` (the config names its class by
+    `data.class_path`)."""
+    return config.data.init_args
 
 
 def explicit_values(parser: LightningArgumentParser, args):
@@ -361,7 +445,8 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
     epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
     return ImgclsCLI(
         ImageClassifier,
-        ImageFolderDataModule,
+        ClassificationData,  # any subclass, by data.class_path; DEFAULT_DATA when a config names none
+        subclass_mode_data=True,
         args=args,
         trainer_class=Trainer,  # lightning.Trainer with `precision: auto`, chosen from the hardware
         save_config_callback=RunConfig,

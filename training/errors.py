@@ -12,9 +12,10 @@ from datamodules.datasets import UnreadableImageError
 from training.checkpointing import CheckpointWriteError, UnsafeCheckpointError
 from training.faults import NonFiniteLossError, lost_peer_message
 
-# Errors caused by what the user gave us (config values, files, folders), reported in one line without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnsafeCheckpointError, NonFiniteLossError,
-               CheckpointWriteError)
+# Errors caused by what the user gave us (config values, files, folders, a source whose extra is not installed),
+# reported in one line without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError, UnsafeCheckpointError,
+               NonFiniteLossError, CheckpointWriteError)
 _PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
                                                                              "training"))
 
@@ -24,6 +25,7 @@ def exit_code(err: BaseException) -> int | None:
     raised with its traceback."""
     if os.environ.get("IMGCLS_TRACEBACK"):
         return None
+    err = constructor_error(err)
     if isinstance(err, UnreadableImageError):
         # From a loader worker it arrives re-raised by torch, its message the worker's whole traceback: the last line
         # is ours.
@@ -41,6 +43,16 @@ def exit_code(err: BaseException) -> int | None:
         return None
     print(f"imgcls: error: {message}", file=sys.stderr)
     return 1
+
+
+def constructor_error(err: BaseException) -> BaseException:
+    """The error a class chosen by class_path (the data source) raised in its constructor, which jsonargparse
+    re-raises wrapped in its own listing of the types it tried ("Does not validate against any of the Union
+    subtypes"), chained `from` it; any other error as it is."""
+    while isinstance(err, ValueError) and isinstance(err.__cause__, Exception) and str(err).startswith(
+            "Does not validate against any of the Union subtypes"):
+        err = err.__cause__
+    return err
 
 
 def raised_here(err: BaseException) -> bool:

@@ -159,7 +159,7 @@ def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: s
     root = data.get("root")
     if root and saved.data.get("root") and _same_path(root, saved.data["root"]) and not (Path(root) / "val").is_dir():
         taken |= {k: saved.data[k] for k in SPLIT_KEYS if k in saved.data and not set_by_user(k, explicit)}
-    taken = {k: v for k, v in taken.items() if data.get(k) != v}
+    taken = {k: v for k, v in taken.items() if k in data and data.get(k) != v}  # keys this data source takes
     for key, value in taken.items():
         data[key] = value
     if taken:

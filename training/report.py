@@ -91,6 +91,7 @@ def summary(run_dir: Path, series: Series, pngs: list[Path]) -> str:
         config = yaml.safe_load(config_path.read_text())
         model, data, trainer = config.get("model", {}), config.get("data", {}), config.get("trainer", {})
         optimizer = model.get("optimizer") or {}  # class_path and init_args; null: the recipe's SGD
+        data = data.get("init_args", data)  # the data source's arguments, under its class_path
         lines += ["| setting | value |", "|---|---|"]
         for key, value in (("model.arch", model.get("arch")), ("model.weights", model.get("weights")),
                            ("model.optimizer", optimizer.get("class_path", "torch.optim.SGD")),

@@ -1,0 +1,191 @@
+"""Image sources whose pixels go through a transform preset: the part the image folder, the CSV manifest, Hugging
+Face datasets and LitData shards share (transform settings, the input contract, predicting a folder of images, the
+bad-image scan of files)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from core.config_types import ClosedUnitInterval, ImageSide, check_arguments
+from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
+from datamodules.base import ClassificationData
+from datamodules.datasets import PredictImages, collate_encoded
+from datamodules.images import list_images, read_encoded, read_image
+from datamodules.presets import (
+    AutoAugment,
+    ClassificationPresetEval,
+    ClassificationPresetTrain,
+    Preset,
+    check_fast_decode,
+    check_schedule,
+    float_transform,
+    input_contract,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Transforms(NamedTuple):
+    """The transforms of one setup, and how each split's images reach them."""
+
+    train: Callable | None  # None with augment_on_device: the images are transformed on the device
+    eval: Callable | None
+    train_encoded: bool  # training JPEGs stay their bytes (fast_decode's crop, or the device decodes them)
+    eval_encoded: bool
+
+    def read(self, train: bool) -> Callable[[str], object]:
+        """How a file of that split is read: decoded (`read_image`) or left encoded (`read_encoded`)."""
+        return read_encoded if (self.train_encoded if train else self.eval_encoded) else read_image
+
+
+class ImageData(ClassificationData):
+    """Images prepared by a transform preset (datamodules/presets.py): a subclass lists its samples in
+    `setup_datasets(stage, transforms)`; this class builds the transforms, states the input contract and predicts
+    the images of `predict_dir`.
+
+    Args:
+        preset: transform preset, one of ``imagenet``, ``keras``, ``none``.
+        image_size: side of the square image fed to the network.
+        train_image_size: side of the training crops, null = image_size. Smaller than eval_image_size is FixRes
+            (torchvision's V2 recipe trains at 176 and evaluates at 224): the random crops enlarge objects, and
+            evaluating larger makes up for it.
+        eval_image_size: side of the validation, test and prediction images, null = image_size.
+        eval_resize_size: preset ``imagenet``: the short side those images are resized to before their center crop
+            of eval_image_size; null = eval_image_size / 0.875 (256 for 224). torchvision's V2 recipe: 232.
+        progressive_resizing: epoch -> training image side from that epoch on, e.g. ``{0: 128, 6: 160, 12: 176}``
+            (progressive resizing, as in FFCV and Composer: small, fast images early, full size late). The loaders
+            keep producing train_image_size crops; each training batch is resized on the device, before
+            normalisation. Validation keeps eval_image_size. null is off.
+        auto_augment: automatic augmentation policy of the training images (torchvision v2, on uint8): ``none``,
+            ``trivialaugment`` (TrivialAugmentWide, torchvision's V2 recipe), ``randaugment``, ``autoaugment``
+            (ImageNet policy) or ``augmix``.
+        auto_augment_magnitude: the policy's strength, null = torchvision's default: RandAugment magnitude (9),
+            AugMix severity (3), TrivialAugmentWide's number of magnitude bins (31).
+        random_erasing: probability of erasing a random box of each training image (0.1 in torchvision's V2 recipe),
+            filled with the pixel that normalises to zero.
+        normalize_on_device: workers yield uint8 batches and the float conversion and normalization run after the
+            copy to the device (same values, 4x fewer bytes moved); false yields float batches from the workers.
+        augment_on_device: workers only read the files; JPEG decoding (nvJPEG on CUDA, one call per batch), the
+            preset's augmentation and the normalization run on the device, image by image, in the main process.
+            For when the CPU cores cannot feed the GPUs; on a CPU-only machine it only moves the work around.
+        fast_decode: training JPEGs (imagenet preset) are decoded by libjpeg-turbo's fast path: fast integer IDCT
+            and chroma upsampling, and at 1/2, 1/4 or 1/8 scale when the random crop is that many times larger than
+            image_size. Less CPU per image (benchmarks/input_pipeline.py); pixels differ from the exact decode by
+            about one level in 255 on average. Validation, test and prediction images are always decoded exactly.
+        predict_dir: folder of images (nested folders allowed) for ``imgcls predict``.
+        bad_images: what to do with image files that cannot be decoded, found by a scan at setup: ``raise`` (list
+            them all and stop before training) or ``skip`` (log them and train on the rest).
+        scan_cache: keep that scan's verdicts, keyed by path, size and mtime, in ``.imgcls-scan-cache-*.npz`` beside
+            the images (in ``~/.cache/imgcls/scan`` when their folder is read-only): a later start decodes only the
+            files added or changed since. false decodes every image at every start.
+        **kwargs: the loader and sampler settings of `ClassificationData` (batch_size, num_workers, sampler, ...).
+    """
+
+    def __init__(
+        self,
+        preset: Preset = "imagenet",
+        image_size: ImageSide = 224,
+        train_image_size: ImageSide | None = None,
+        eval_image_size: ImageSide | None = None,
+        eval_resize_size: ImageSide | None = None,
+        progressive_resizing: dict[int, int] | None = None,
+        auto_augment: AutoAugment = "none",
+        auto_augment_magnitude: int | None = None,
+        random_erasing: ClosedUnitInterval = 0.0,
+        normalize_on_device: bool = True,
+        augment_on_device: bool = False,
+        fast_decode: bool = False,
+        predict_dir: str | None = None,
+        bad_images: Literal["raise", "skip"] = "raise",
+        scan_cache: bool = True,
+        **kwargs,
+    ) -> None:
+        check_arguments("data", ImageData.__init__, locals())  # the annotated ranges and choices
+        super().__init__(**kwargs)
+        check_fast_decode(preset, fast_decode)
+        self.preset, self.image_size, self.eval_resize_size = preset, image_size, eval_resize_size
+        self.train_image_size, self.eval_image_size = train_image_size or image_size, eval_image_size or image_size
+        ClassificationPresetEval(preset=preset, image_size=self.eval_image_size, resize_size=eval_resize_size)  # checks
+        self.progressive_resizing = check_schedule(progressive_resizing, self.train_image_size)
+        self.augment = dict(auto_augment=auto_augment, auto_augment_magnitude=auto_augment_magnitude,
+                            random_erasing=random_erasing)
+        ClassificationPresetTrain(preset=preset, image_size=self.train_image_size, **self.augment)  # checks the keys
+        self.normalize_on_device, self.augment_on_device = normalize_on_device, augment_on_device
+        self.fast_decode, self.bad_images, self.scan_cache = fast_decode, bad_images, scan_cache
+        self.predict_dir = Path(predict_dir).expanduser() if predict_dir is not None else None
+        self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
+        self.collate_fn = collate_encoded if augment_on_device else self.collate_fn
+
+    @property
+    def input_contract(self) -> dict:
+        """The evaluation preprocessing, as values (`datamodules.presets.input_contract`): linked into the model, which
+        keeps it in its checkpoints, so that a checkpoint evaluates and predicts as it was validated."""
+        return input_contract(self.preset, self.eval_image_size, self.eval_resize_size)
+
+    def transforms(self) -> Transforms:
+        """The preset's training and evaluation transforms, as this run's settings place them."""
+        outputs_uint8 = self.normalize_on_device or self.augment_on_device
+        train = ClassificationPresetTrain(preset=self.preset, image_size=self.train_image_size,
+                                          uint8_output=outputs_uint8, fast_decode=self.fast_decode, **self.augment)
+        evaluate = ClassificationPresetEval(preset=self.preset, image_size=self.eval_image_size,
+                                            uint8_output=outputs_uint8, resize_size=self.eval_resize_size)
+        if self.augment_on_device:  # the workers read; `augment_batch` decodes and transforms on the device
+            self._device_transforms = {"train": train, "eval": evaluate}
+            return Transforms(None, None, train_encoded=True, eval_encoded=True)
+        # With fast_decode the training transform decodes each JPEG for its crop (reduced size when it can).
+        return Transforms(train, evaluate, train_encoded=self.fast_decode, eval_encoded=False)
+
+    def setup(self, stage: str) -> None:
+        transforms = self.transforms()
+        if stage == "predict":
+            self.predict_set = self._predict_images(transforms)
+            return
+        self.setup_datasets(stage, transforms)
+
+    def setup_datasets(self, stage: str, transforms: Transforms) -> None:
+        """Set `train_set` and `val_set` (fit, validate) or `test_set` (test), with these transforms: the subclass's
+        part of the contract (datamodules/base.py)."""
+        raise NotImplementedError(f"{type(self).__name__} lists no samples: it must define setup_datasets")
+
+    def _predict_images(self, transforms: Transforms) -> PredictImages:
+        if self.predict_dir is None:
+            raise ValueError("data.predict_dir is not set; pass --data.predict_dir FOLDER_OF_IMAGES")
+        if not self.predict_dir.is_dir():
+            raise FileNotFoundError(f"data.predict_dir={self.predict_dir} is not a folder")
+        paths = list_images(self.predict_dir)
+        if not paths:
+            raise FileNotFoundError(f"data.predict_dir={self.predict_dir} holds no images")
+        (paths,) = self.drop_bad(paths, folder=self.predict_dir, scan="predict")
+        return PredictImages(paths, transforms.eval, transforms.read(train=False))
+
+    def drop_bad(self, *splits: list, folder: Path, scan: str) -> list[list]:
+        """Scan the samples of `splits` (paths or (path, target) pairs, below `folder`) once, on rank 0; raise on bad
+        files, listing every split's, or drop them. Returns the splits, filtered. `scan` names the cache's file."""
+        paths = [s[0] if isinstance(s, tuple) else s for split in splits for s in split]
+        trainer = self.trainer
+        bad = None
+        if trainer is None or trainer.is_global_zero:
+            cache = ScanCache(folder, scan) if self.scan_cache else None
+            bad = find_bad_images(paths, progress=True, cache=cache)
+            if cache is not None:
+                rank_zero_info(cache.summary())
+        if trainer is not None and trainer.world_size > 1:
+            bad = trainer.strategy.broadcast(bad, src=0)  # one scan per run; every rank decides alike
+        if not bad:
+            return list(splits)
+        message = bad_images_message(bad, len(paths))
+        if self.bad_images == "raise":
+            raise ValueError(f"{message}\nremove or fix these files, or set data.bad_images: skip")
+        if trainer is None or trainer.is_global_zero:
+            log.warning(f"data.bad_images=skip: skipping {message}")
+        dropped = {p for p, _ in bad}
+        kept = [[s for s in split if (s[0] if isinstance(s, tuple) else s) not in dropped] for split in splits]
+        if not all(kept):
+            raise ValueError(f"no usable image is left in a split after skipping {len(bad)} bad files "
+                             f"(first: {bad[0][0]})")
+        return kept

@@ -1,0 +1,242 @@
+"""The data seam (datamodules/base.py): the CSV manifest, Hugging Face datasets and a user's own DataModule plug in
+by `data.class_path` alone, train, and resume after a SIGKILL to the weights of the run never killed."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from datamodules import ClassificationData, CsvDataModule, ImageFolderDataModule
+from datamodules.datasets import SeededImages
+from datamodules.images import read_image
+from tests.helpers import (
+    CONFIGS,
+    TINY,
+    cli_env,
+    free_port,
+    kill_args,
+    make_image_folder,
+    max_diff,
+    run_cli,
+    shipped_config,
+)
+
+CLASSES = ("0", "1")  # two digits: enough to learn, few images to decode
+PER_CLASS = {"train": 16, "val": 4, "test": 2}
+
+
+def _digit_files(digits_root: Path, split: str) -> list[tuple[Path, str]]:
+    return [(path, digit) for digit in CLASSES
+            for path in sorted((digits_root / split / digit).iterdir())[:PER_CLASS[split]]]
+
+
+@pytest.fixture(scope="module")
+def csv_root(tmp_path_factory, digits_root) -> Path:
+    """train.csv, val.csv and test.csv of `path,label`, the images flat in one folder (no class folders)."""
+    root = tmp_path_factory.mktemp("csv")
+    (root / "images").mkdir()
+    for split in PER_CLASS:
+        with open(root / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "label"])
+            for path, digit in _digit_files(digits_root, split):
+                shutil.copy(path, root / "images" / f"{split}-{digit}-{path.name}")
+                writer.writerow([f"images/{split}-{digit}-{path.name}", digit])
+    return root
+
+
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory, digits_root) -> Path:
+    """A DatasetDict saved with save_to_disk: train and test splits (no validation: val_split of train is held
+    out), an Image column and a ClassLabel column, built here from the digits' files (nothing downloaded)."""
+    datasets = pytest.importorskip("datasets")
+    splits = {}
+    for split in ("train", "test"):
+        files = _digit_files(digits_root, split)
+        splits[split] = (datasets.Dataset.from_dict({"image": [str(p) for p, _ in files],
+                                                     "label": [CLASSES.index(d) for _, d in files]})
+                         .cast_column("image", datasets.Image())
+                         .cast_column("label", datasets.ClassLabel(names=list(CLASSES))))
+    root = tmp_path_factory.mktemp("hf") / "digits"
+    datasets.DatasetDict(splits).save_to_disk(str(root))
+    return root
+
+
+# ---- the sources, in this process ----------------------------------------------------------------------------
+
+
+def test_csv_manifest_lists_single_label_samples_and_refuses_a_multilabel_file(csv_root, tmp_path):
+    data = CsvDataModule(str(csv_root), batch_size=4, num_workers=0, image_size=32, preset="none")
+    assert isinstance(data, ClassificationData) and not isinstance(data, ImageFolderDataModule)  # siblings
+    assert (data.class_names, data.multilabel) == (list(CLASSES), False)
+    data.setup("fit")
+    assert len(data.train_set) == 32 and len(data.val_set) == 8 and isinstance(data.train_set, SeededImages)
+    assert sorted(np.bincount(data.train_set.targets).tolist()) == [16, 16]
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and x.dtype == torch.uint8 and y.dtype == torch.int64
+    # A manifest with the multi-label column is refused, naming where multi-label data goes.
+    (tmp_path / "train.csv").write_text("path,labels\nimages/a.png,cat dog\n")
+    with pytest.raises(ValueError, match="multi-label data goes in a labels.csv in each split folder"):
+        CsvDataModule(str(tmp_path))
+    (tmp_path / "train.csv").write_text(
+        "path,label\n" + "".join(f"{p},{d}\n" for p, d in [("../x.png", "0")]))
+    with pytest.raises(FileNotFoundError, match="train.csv line 2: .*x.png does not exist"):
+        CsvDataModule(str(tmp_path))
+
+
+def test_hugging_face_dataset_gives_the_files_pixels_and_its_classlabel_names(hf_root, digits_root):
+    from datamodules import HFDataModule
+
+    options = dict(batch_size=4, num_workers=0, image_size=32, preset="imagenet", val_split=0.25)
+    data = HFDataModule(str(hf_root), **options)
+    assert (data.class_names, data.multilabel, data.num_classes) == (list(CLASSES), False, 2)
+    data.setup("fit")
+    assert (len(data.train_set), len(data.val_set)) == (24, 8)  # val_split of train, stratified
+    assert sorted(np.bincount(data.val_set.targets).tolist()) == [4, 4]
+    # The stored bytes decode to the pixels of the files they came from, as the image folder reads them.
+    files = _digit_files(digits_root, "train")
+    for i in range(3):
+        image, target = data.val_set[i]
+        path, digit = files[int(data.val_set.rows[i])]
+        assert target == CLASSES.index(digit) and torch.equal(image, data.val_set.transform(read_image(str(path))))
+    # Training draws are a function of their seed: repeatable, different for another seed.
+    assert torch.equal(data.train_set[(0, 7)][0], data.train_set[(0, 7)][0])
+    assert not torch.equal(data.train_set[(0, 7)][0], data.train_set[(0, 8)][0])
+
+
+def test_hugging_face_without_the_extra_is_one_line_naming_it(monkeypatch, tmp_path):
+    from datamodules import HFDataModule
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'imgcls\[hf\]'"):
+        HFDataModule(str(tmp_path))
+
+
+# ---- through the real command -------------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, class_path: str, init_args: dict) -> Path:
+    """The quickstart config, shrunk (resnet18 at 32 px, 2 epochs of 4 steps, a step checkpoint every 2 steps), on
+    the data source `class_path`, with random crops and flips (preset imagenet) that a resume must draw again."""
+    cfg = shipped_config()
+    cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu", devices=1,
+                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    callbacks = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
+    for c in callbacks:
+        if c["init_args"].get("every_n_train_steps"):
+            c["init_args"]["every_n_train_steps"] = 2
+    cfg["trainer"]["callbacks"] = callbacks
+    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
+    cfg["data"] = {"class_path": class_path, "init_args": {"batch_size": 8, "num_workers": 0, "image_size": 32,
+                                                           "preset": "imagenet", **init_args}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _fit(config: Path, run: Path, *extra: str, check: bool = True):
+    return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(run), *extra, check=check,
+                   env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
+
+
+def _killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path, config: Path) -> None:
+    """Killed after step 3 (mid-epoch 0), the same command resumes from step 2's checkpoint, the loader's position
+    and the augmentation seeds with it, and ends with the weights of the run never killed."""
+    reference = _fit(config, tmp_path / "reference")
+    assert "val/acc" in reference.stdout
+    run = tmp_path / "killed"
+    killed = _fit(config, run, *kill_args(3, "train"), check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = _fit(config, run)
+    assert f"resuming from {run / 'checkpoints' / 'step0000002.ckpt'} (auto_resume)" in resumed.stdout + resumed.stderr
+    diff = max_diff(_weights(tmp_path / "reference"), _weights(run))
+    print(f"killed after step 3, resumed from step 2: max |w - w_ref| = {diff}")
+    assert diff == 0.0
+
+
+def test_csv_manifest_fit_killed_mid_epoch_resumes_to_identical_weights(tmp_path, csv_root):
+    config = _config(tmp_path, "datamodules.CsvDataModule", {"root": str(csv_root)})
+    _killed_and_resumed_matches_the_uninterrupted_run(tmp_path, config)
+
+
+def test_hugging_face_fit_killed_mid_epoch_resumes_to_identical_weights(tmp_path, hf_root):
+    config = _config(tmp_path, "datamodules.HFDataModule", {"root": str(hf_root), "val_split": 0.25})
+    _killed_and_resumed_matches_the_uninterrupted_run(tmp_path, config)
+
+
+def test_a_users_own_datamodule_plugs_in_by_class_path_alone(tmp_path):
+    """tests/user_plugins.py's TensorData, in-memory tensors, on the quickstart config: the image-folder keys it
+    does not take are dropped with the class, the ones it does (image_size, batch_size) are kept."""
+    run = tmp_path / "run"
+    proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY,
+                   "--data.class_path", "tests.user_plugins.TensorData", "--data.images", "16",
+                   "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
+                   "--trainer.default_root_dir", str(run))
+    assert "val/acc" in proc.stdout
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["hyper_parameters"]["class_names"] == ["dark", "bright"]
+    assert ckpt["datamodule_hyper_parameters"]["_class_path"] == "tests.user_plugins.TensorData"
+    assert ckpt["TensorData"] == {"training_batches": 1}  # 16 images, batch 16: the batch counter is checkpointed
+    saved = yaml.safe_load((run / "config.yaml").read_text())["data"]
+    assert saved["class_path"] == "tests.user_plugins.TensorData" and "root" not in saved["init_args"]
+
+
+def test_data_format_names_its_new_place_in_one_line():
+    proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.format", "litdata", check=False)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("imgcls: error:")]
+    assert len(lines) == 1 and "--data.class_path datamodules.ShardsDataModule" in lines[0], proc.stderr[-2000:]
+
+
+def test_hugging_face_reads_a_folder_of_images_with_its_imagefolder_builder(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from datamodules import HFDataModule
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))  # not the user's cache
+    root = make_image_folder(tmp_path / "images", {"cat": 3, "dog": 3}, splits=("train", "val"), size=32)
+    data = HFDataModule(str(root), batch_size=2, num_workers=0, image_size=32, preset="none")
+    assert data.class_names == ["cat", "dog"] and sorted(data.splits) == ["train", "validation"]
+    data.setup("fit")
+    assert (len(data.train_set), len(data.val_set)) == (6, 6)  # validation/ is the val split: nothing held out
+    path = data.train_set._cell(0)["path"]
+    assert torch.equal(data.train_set[0][0], data.train_set.transform(read_image(path)))
+
+
+def test_a_batch_without_seeds_is_augmented_from_the_datamodules_own_checkpointed_batch_count(tmp_path):
+    """augment_on_device with a sampler that gives no per-draw seeds: each training batch draws from the count of
+    training batches the DataModule has transferred, which its state_dict carries into a resumed run (no loop
+    internals of the trainer are read)."""
+    from types import SimpleNamespace
+
+    from datamodules.datasets import collate_encoded
+
+    root = make_image_folder(tmp_path / "images", {"a": 2, "b": 2}, splits=("train", "val"), size=48, ext=".jpg")
+
+    def datamodule() -> ImageFolderDataModule:
+        data = ImageFolderDataModule(str(root), batch_size=2, num_workers=0, image_size=32, preset="imagenet",
+                                     augment_on_device=True, scan_cache=False)
+        data.setup("fit")
+        data.trainer = SimpleNamespace(training=True, global_rank=0, current_epoch=0)  # what the hooks read
+        return data
+
+    data = datamodule()
+    batch = collate_encoded([data.train_set[i] for i in range(2)])  # plain indices: no seeds in the batch
+    first = data.on_after_batch_transfer(batch, 0)[0]
+    state = data.state_dict()
+    second = data.on_after_batch_transfer(batch, 0)[0]
+    assert state == {"training_batches": 1} and not torch.equal(first, second)  # each batch its own crops
+    resumed = datamodule()
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.on_after_batch_transfer(batch, 0)[0], second)
