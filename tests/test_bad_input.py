@@ -224,8 +224,8 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     (["--model.loss", "torch.nn.CrossEntropyLos"],
      "model.loss=torch.nn.CrossEntropyLos: torch.nn has no CrossEntropyLos; did you mean torch.nn.CrossEntropyLoss"),
     (["--model.loss.label_smoothin", "0.1"],
-     "model.loss.label_smoothin: torch.nn.CrossEntropyLoss takes no argument label_smoothin; did you mean "
-     "model.loss.label_smoothing?"),
+     "--model.loss.label_smoothin is not an option; did you mean --model.loss.label_smoothing? "
+     "(model.loss.class_path: torch.nn.CrossEntropyLoss)"),
     (["--model.label_smoothing", "0.1"], "--model.label_smoothing moved to --model.loss.label_smoothing"),
     (["--model.loss", "bce"], "model.loss=bce moved: give the class, --model.loss "
                               "lightning_modules.losses.BinaryCrossEntropy"),
