@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER = textwrap.dedent('''
     import logging
 
-    from datamodules import hardware
+    from core import hardware
     from training.trainer import Trainer
 
 
