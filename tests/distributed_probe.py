@@ -110,6 +110,11 @@ class Probe(Callback):
         if not trainer.sanity_checking:
             self.record["val"].append(float(trainer.callback_metrics["val/acc"]))
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Before the strategy's teardown (on_fit_end comes after it), which drops post-local SGD's model averager.
+        averager = getattr(trainer.strategy, "_model_averager", None)
+        self.record["model_averaging_period"] = getattr(averager, "period", None)
+
     def on_fit_end(self, trainer, pl_module) -> None:
         self.record.update(end_digest=weights_digest(pl_module), end_step=trainer.global_step)
         strategy = trainer.strategy

@@ -62,6 +62,7 @@ from training.from_checkpoint import (
 )
 from training.preflight import check_monitored
 from training.run_dir import RunConfig, checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
+from training.strategy import destroy_process_groups
 from training.trainer import Trainer
 from training.wandb_runs import WandbInstantiator, wandb_online
 
@@ -443,21 +444,30 @@ def explicit_values(parser: LightningArgumentParser, args):
 def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
     """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
     epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
-    return ImgclsCLI(
-        ImageClassifier,
-        ClassificationData,  # any subclass, by data.class_path; DEFAULT_DATA when a config names none
-        subclass_mode_data=True,
-        args=args,
-        trainer_class=Trainer,  # lightning.Trainer with `precision: auto`, chosen from the hardware
-        save_config_callback=RunConfig,
-        save_config_kwargs={"overwrite": True},
-        # Appended to the configured callbacks, and kept out of config.yaml: the fault guards on every run, and the
-        # sweep's reporting callback on a trial.
-        trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
-        auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
-        parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
-        parser_class=_ArgumentParser,
-    )
+    try:
+        cli = ImgclsCLI(
+            ImageClassifier,
+            ClassificationData,  # any subclass, by data.class_path; DEFAULT_DATA when a config names none
+            subclass_mode_data=True,
+            args=args,
+            trainer_class=Trainer,  # lightning.Trainer with `precision: auto`, chosen from the hardware
+            save_config_callback=RunConfig,
+            save_config_kwargs={"overwrite": True},
+            # Appended to the configured callbacks, and kept out of config.yaml: the fault guards on every run, and
+            # the sweep's reporting callback on a trial.
+            trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
+            auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
+            parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
+            parser_class=_ArgumentParser,
+        )
+    except SystemExit:  # Preemption's exit after its checkpoint, which every rank agreed on (or --help: no group yet)
+        destroy_process_groups()
+        raise
+    # The run is over on every rank: its process groups go now, not at interpreter shutdown, where a gloo worker
+    # thread still releasing the last collective aborts the process (training.strategy.destroy_process_groups). Not
+    # after any other exception: a collective still waiting for a lost peer would hold that up until the timeout.
+    destroy_process_groups()
+    return cli
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -244,6 +244,12 @@ class Preemption(Callback):
         if self._work is not None:
             self._work.wait()  # every rank started it; none leaves it dangling
             self._work = None
+        if self._group is not None:
+            # Freed now with its worker threads, not at interpreter shutdown (training.strategy.destroy_process_groups);
+            # the next fit makes a new one.
+            if dist.is_initialized():  # else destroyed with all the others already
+                dist.destroy_process_group(self._group)
+            self._group = None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         received = self._received

@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import gc
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
+import torch.distributed.optim  # noqa: F401  before any process group exists: see destroy_process_groups
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
@@ -49,6 +51,33 @@ def build_comm_hook(compression: Compression, module: torch.nn.Module, process_g
         return state, ResumablePowerSGDHook({id(p): name for name, p in module.named_parameters()})
     raise ValueError(f"trainer.strategy.compression={compression!r} is unknown; choose one of "
                      f"{', '.join(COMPRESSIONS)}")
+
+
+def destroy_process_groups() -> None:
+    """End this process's torch.distributed: destroy every process group and free it, joining its worker threads.
+
+    A gloo process group runs each collective on a C++ worker thread, which drops its reference to the finished
+    collective, and with it the tensors' Python objects (which takes the GIL), only after the caller waiting for it
+    has been released. A process that exits right after a collective (the end of `imgcls fit`: after_fit's broadcast
+    of whether a best checkpoint exists) can reach interpreter shutdown first; the worker, refused the GIL, is made to
+    exit inside the collective's destructor, and the C++ runtime aborts the process: "terminate called without an
+    active exception", SIGABRT. A group's destructor joins its workers, with the GIL released (torch's
+    IntrusivePtrNoGilDestructor), but `shutdown()` alone does not: so every reference to the groups must go here,
+    while the interpreter is fully alive. destroy_process_group forgets them all, and a collection frees those held
+    only in cycles. Held elsewhere, a group would outlive this: Preemption destroys its own at teardown, and the
+    strategy drops post-local SGD's state and averager at its teardown. (torch.distributed.optim is imported with
+    this module, before any group exists: ZeroRedundancyOptimizer's `_broadcast_object` takes the default group as
+    a default argument, and imported later, as Lightning's post-local SGD setup does, it would hold it for good.)
+
+    For the end of a run that every rank completed: a collective still waiting for a lost peer would hold its worker
+    thread, and this with it, until the timeout. And for the end of a command, whose last collectives (a broadcast,
+    metric syncs) leave no Python callback holding a group on a worker thread: a worker that let go of a group's
+    last reference would run its destructor, and join itself.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.destroy_process_group()  # every group; Lightning's own at exit (NCCL only) then finds none
+    gc.collect()
 
 
 class CompressedDDPStrategy(DDPStrategy):
@@ -155,6 +184,16 @@ class CompressedDDPStrategy(DDPStrategy):
             self.compression, self.model.module, **self.powersgd_kwargs
         )
         self._restore_powersgd()
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._model_averaging_period is not None:
+            # Post-local SGD's state and model averager hold process groups (its subgroup, the default group): let go
+            # of them when the stage ends, so that the end of the run frees the groups (destroy_process_groups). A
+            # next fit builds both again (configure_ddp, setup). PowerSGD's state holds none and is kept for
+            # checkpoints saved after the fit.
+            self._ddp_comm_state = None
+            self._model_averager = None
 
     # ---- PowerSGD state in checkpoints (not in any state dict: pytorch issue 75666) -------------------------
 
