@@ -107,6 +107,20 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def fit_run(config: Path, run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`imgcls fit --config CONFIG` into the run directory `run`, with a fresh port for every run (only DDP uses it:
+    a killed run's port can stay busy for a while)."""
+    return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(run), *extra, check=check,
+                   env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
+
+
+def last_weights(run: Path, key: str = "state_dict") -> dict:
+    """The tensors of `<run>/checkpoints/last.ckpt` (its weights, or another `key` of it)."""
+    import torch
+
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")[key]
+
+
 def join_ranks(ranks, timeout_s: float, what: str) -> None:
     """Wait for torch.multiprocessing's `ranks` (start_processes, join=False): a rank's exception is raised here with
     its traceback; past `timeout_s` the test fails naming `what`, and every rank left is killed."""

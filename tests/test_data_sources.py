@@ -20,13 +20,17 @@ from datamodules.images import read_image
 from tests.helpers import (
     CONFIGS,
     TINY,
-    cli_env,
-    free_port,
     kill_args,
     make_image_folder,
     max_diff,
     run_cli,
     shipped_config,
+)
+from tests.helpers import (
+    fit_run as _fit,
+)
+from tests.helpers import (
+    last_weights as _weights,
 )
 
 CLASSES = ("0", "1")  # two digits: enough to learn, few images to decode
@@ -142,13 +146,6 @@ def _config(tmp_path: Path, class_path: str, init_args: dict) -> Path:
     return path
 
 
-def _fit(config: Path, run: Path, *extra: str, check: bool = True):
-    return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(run), *extra, check=check,
-                   env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
-
-
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
 
 
 def _killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path, config: Path) -> None:

@@ -25,6 +25,12 @@ from tests.helpers import (
     run_cli,
     shipped_config,
 )
+from tests.helpers import (
+    fit_run as _fit,
+)
+from tests.helpers import (
+    last_weights as _weights,
+)
 from training.checkpointing import checkpoint_problem
 
 STEPS_PER_EPOCH = 4  # 32 train images / batch 8
@@ -79,14 +85,6 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     return path
 
 
-def _weights(run: Path, key: str = "state_dict") -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")[key]
-
-
-def _fit(config: Path, run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    # A fresh port for every run (only DDP uses it): a killed run's port can stay busy for a while.
-    return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(run), *extra, check=check,
-                   env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
 
 
 def _kill(config: Path, run: Path, step: int, where: str) -> None:

@@ -19,7 +19,9 @@ from PIL import Image
 
 from datamodules import ImageFolderDataModule
 from datamodules.shards import ShardLoader, ShardsDataModule, main, training_split
-from tests.helpers import cli_env, free_port, kill_args, make_image_folder, max_diff, run_cli, shipped_config
+from tests.helpers import fit_run as _fit
+from tests.helpers import kill_args, make_image_folder, max_diff, shipped_config
+from tests.helpers import last_weights as _weights
 
 BAD_REASON = "not an image (PIL cannot identify the format)"
 
@@ -192,13 +194,6 @@ def _config(tmp_path: Path, shards: Path, *, devices: int, preset: str, every_n_
     return path
 
 
-def _fit(config: Path, run: Path, *extra: str, check: bool = True):
-    return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(run), *extra, check=check,
-                   env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
-
-
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
 
 
 @pytest.mark.slow
