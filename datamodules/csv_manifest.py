@@ -9,38 +9,19 @@ import csv
 from pathlib import Path
 
 from datamodules.files import ImageFileData, Samples
-
-COLUMNS = ("path", "label")
+from datamodules.images import read_image_list
 
 
 def read_manifest(file: Path) -> list[tuple[str, str]]:
     """(image path, label) of every row of a split's CSV file: header ``path,label``, a path relative to the file's
     folder (or absolute), one class name per row. Errors name the file, the row and the fix."""
-    rows, seen = [], set()
     with open(file, newline="") as f:
-        reader = csv.DictReader(f)
-        fields = reader.fieldnames or []
-        if "labels" in fields and "label" not in fields:
-            raise ValueError(f"{file} has a labels column (several labels per image): multi-label data goes in a "
-                             "labels.csv in each split folder, read by datamodules.ImageFolderDataModule; this "
-                             "single-label file needs the header path,label")
-        if not set(COLUMNS) <= set(fields):
-            raise ValueError(f"{file} must start with the header path,label (found {reader.fieldnames})")
-        for line, row in enumerate(reader, start=2):
-            rel, label = (row["path"] or "").strip(), (row["label"] or "").strip()
-            if not rel or not label:
-                raise ValueError(f"{file} line {line}: the {'path' if not rel else 'label'} is empty")
-            path = file.parent / rel
-            if rel in seen:
-                raise ValueError(f"{file} line {line}: {rel} is listed twice; give each image one row")
-            if not path.is_file():
-                raise FileNotFoundError(f"{file} line {line}: {path} does not exist; fix the path (relative to "
-                                        f"{file.parent}) or remove the row")
-            seen.add(rel)
-            rows.append((str(path), label))
-    if not rows:
-        raise ValueError(f"{file} lists no images")
-    return rows
+        fields = next(csv.reader(f), [])
+    if "labels" in fields and "label" not in fields:
+        raise ValueError(f"{file} has a labels column (several labels per image): multi-label data goes in a "
+                         "labels.csv in each split folder, read by datamodules.ImageFolderDataModule; this "
+                         "single-label file needs the header path,label")
+    return read_image_list(file, "label", required=True)
 
 
 class CsvDataModule(ImageFileData):

@@ -72,6 +72,32 @@ def is_multilabel(root: Path) -> bool:
     return (root / "train" / LABELS_CSV).is_file()
 
 
+def read_image_list(file: Path, column: str, *, required: bool) -> list[tuple[str, str]]:
+    """(image path, its `column` cell) of every row of an image-list CSV with the header ``path,<column>``: paths
+    relative to the file's folder (or absolute), each listed once and present; a `required` cell must not be empty.
+    Errors name the file, the row and the fix."""
+    rows, seen = [], set()
+    with open(file, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"path", column} <= set(reader.fieldnames):
+            raise ValueError(f"{file} must start with the header path,{column} (found {reader.fieldnames})")
+        for line, row in enumerate(reader, start=2):
+            rel, cell = (row["path"] or "").strip(), (row[column] or "").strip()
+            if not rel or (required and not cell):
+                raise ValueError(f"{file} line {line}: the {'path' if not rel else column} is empty")
+            path = file.parent / rel
+            if rel in seen:
+                raise ValueError(f"{file} line {line}: {rel} is listed twice; give each image one row")
+            if not path.is_file():
+                raise FileNotFoundError(f"{file} line {line}: {path} does not exist; fix the path (relative to "
+                                        f"{file.parent}) or remove the row")
+            seen.add(rel)
+            rows.append((str(path), cell))
+    if not rows:
+        raise ValueError(f"{file} lists no images")
+    return rows
+
+
 def read_labels_csv(split_dir: Path) -> list[tuple[str, list[str]]]:
     """(image path, its labels) of every row of `split_dir/labels.csv`: columns `path` (relative to `split_dir`) and
     `labels` (separated by spaces or `|`; empty for an image with none). Errors name the file, the row and the fix."""
@@ -79,27 +105,8 @@ def read_labels_csv(split_dir: Path) -> list[tuple[str, list[str]]]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist; a multi-label split lists its images there "
                                 "(columns path,labels; labels separated by spaces or |)")
-    rows, seen = [], set()
-    with open(file, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"path", "labels"} <= set(reader.fieldnames):
-            raise ValueError(f"{file} must start with the header path,labels (found {reader.fieldnames})")
-        for line, row in enumerate(reader, start=2):
-            rel = (row["path"] or "").strip()
-            if not rel:
-                raise ValueError(f"{file} line {line}: the path is empty")
-            path = split_dir / rel
-            if rel in seen:
-                raise ValueError(f"{file} line {line}: {rel} is listed twice; give each image one row")
-            if not path.is_file():
-                raise FileNotFoundError(f"{file} line {line}: {path} does not exist; fix the path (relative to "
-                                        f"{split_dir}) or remove the row")
-            seen.add(rel)
-            labels = sorted(set((row["labels"] or "").replace("|", " ").split()))
-            rows.append((str(path), labels))
-    if not rows:
-        raise ValueError(f"{file} lists no images")
-    return rows
+    return [(path, sorted(set(cell.replace("|", " ").split())))
+            for path, cell in read_image_list(file, "labels", required=False)]
 
 
 def read_image(path: str) -> torch.Tensor:

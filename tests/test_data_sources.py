@@ -94,6 +94,9 @@ def test_csv_manifest_lists_single_label_samples_and_refuses_a_multilabel_file(c
         "path,label\n" + "".join(f"{p},{d}\n" for p, d in [("../x.png", "0")]))
     with pytest.raises(FileNotFoundError, match="train.csv line 2: .*x.png does not exist"):
         CsvDataModule(str(tmp_path))
+    (tmp_path / "train.csv").write_text("path,label\n../x.png,\n")  # single-label: every row names its class
+    with pytest.raises(ValueError, match="train.csv line 2: the label is empty"):
+        CsvDataModule(str(tmp_path))
 
 
 def test_hugging_face_dataset_gives_the_files_pixels_and_its_classlabel_names(hf_root, digits_root):
