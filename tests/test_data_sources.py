@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -20,17 +19,10 @@ from datamodules.images import read_image
 from tests.helpers import (
     CONFIGS,
     TINY,
-    kill_args,
+    killed_and_resumed,
     make_image_folder,
-    max_diff,
     run_cli,
     shipped_config,
-)
-from tests.helpers import (
-    fit_run as _fit,
-)
-from tests.helpers import (
-    last_weights as _weights,
 )
 
 CLASSES = ("0", "1")  # two digits: enough to learn, few images to decode
@@ -154,16 +146,7 @@ def _config(tmp_path: Path, class_path: str, init_args: dict) -> Path:
 def _killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path, config: Path) -> None:
     """Killed after step 3 (mid-epoch 0), the same command resumes from step 2's checkpoint, the loader's position
     and the augmentation seeds with it, and ends with the weights of the run never killed."""
-    reference = _fit(config, tmp_path / "reference")
-    assert "val/acc" in reference.stdout
-    run = tmp_path / "killed"
-    killed = _fit(config, run, *kill_args(3, "train"), check=False)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = _fit(config, run)
-    assert f"resuming from {run / 'checkpoints' / 'step0000002.ckpt'} (auto_resume)" in resumed.stdout + resumed.stderr
-    diff = max_diff(_weights(tmp_path / "reference"), _weights(run))
-    print(f"killed after step 3, resumed from step 2: max |w - w_ref| = {diff}")
-    assert diff == 0.0
+    assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0
 
 
 def test_csv_manifest_fit_killed_mid_epoch_resumes_to_identical_weights(tmp_path, csv_root):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +19,7 @@ from PIL import Image
 from datamodules import ImageFolderDataModule
 from datamodules.shards import ShardLoader, ShardsDataModule, main, training_split
 from tests.helpers import fit_run as _fit
-from tests.helpers import kill_args, make_image_folder, max_diff, shipped_config
-from tests.helpers import last_weights as _weights
+from tests.helpers import killed_and_resumed, make_image_folder, shipped_config
 
 BAD_REASON = "not an image (PIL cannot identify the format)"
 
@@ -204,16 +202,7 @@ def test_fit_from_shards_killed_mid_epoch_resumes_to_the_uninterrupted_weights(t
     epoch 1 afresh. It ends with the weights of the run never killed."""
     _, shards, _ = converted
     config = _config(tmp_path, shards, devices=1, preset="imagenet", every_n_train_steps=3)
-    reference = _fit(config, tmp_path / "reference")
-    assert "val/acc" in reference.stdout  # trained and validated from the shards
-    run = tmp_path / "killed"
-    killed = _fit(config, run, *kill_args(4, "train"), check=False)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = _fit(config, run)
-    assert f"resuming from {run / 'checkpoints' / 'step0000003.ckpt'} (auto_resume)" in resumed.stdout + resumed.stderr
-    diff = max_diff(_weights(tmp_path / "reference"), _weights(run))
-    print(f"shards, killed after step 4, resumed from step 3: max |w - w_ref| = {diff}")
-    assert diff <= 1e-6
+    assert killed_and_resumed(config, tmp_path, kill_after=4, resumes_from=3) <= 1e-6
 
 
 @pytest.mark.slow
