@@ -33,6 +33,22 @@ def shipped_config(name: str = "quickstart.yaml") -> dict:
     return cfg
 
 
+def resume_config(devices: int = 1, every_n_train_steps: int = 2) -> dict:
+    """The quickstart config for exact-resume tests: fp32 and deterministic kernels, 2 epochs, resnet18 with a small
+    head, a step checkpoint every `every_n_train_steps`, no rich widgets; DDP on `devices` CPU processes."""
+    cfg = shipped_config()
+    cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu", devices=devices,
+                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                          **({"strategy": "ddp"} if devices > 1 else {}))
+    callbacks = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
+    for c in callbacks:
+        if c["init_args"].get("every_n_train_steps"):
+            c["init_args"]["every_n_train_steps"] = every_n_train_steps
+    cfg["trainer"]["callbacks"] = callbacks
+    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
+    return cfg
+
+
 TINY = [
     "--model.arch", "resnet18", "--model.head_hidden", "32", "--data.image_size", "32",
     "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator", "cpu",

@@ -21,8 +21,8 @@ from tests.helpers import (
     TINY,
     killed_and_resumed,
     make_image_folder,
+    resume_config,
     run_cli,
-    shipped_config,
 )
 
 CLASSES = ("0", "1")  # two digits: enough to learn, few images to decode
@@ -125,15 +125,7 @@ def test_hugging_face_without_the_extra_is_one_line_naming_it(monkeypatch, tmp_p
 def _config(tmp_path: Path, class_path: str, init_args: dict) -> Path:
     """The quickstart config, shrunk (resnet18 at 32 px, 2 epochs of 4 steps, a step checkpoint every 2 steps), on
     the data source `class_path`, with random crops and flips (preset imagenet) that a resume must draw again."""
-    cfg = shipped_config()
-    cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu", devices=1,
-                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    callbacks = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    for c in callbacks:
-        if c["init_args"].get("every_n_train_steps"):
-            c["init_args"]["every_n_train_steps"] = 2
-    cfg["trainer"]["callbacks"] = callbacks
-    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
+    cfg = resume_config()
     cfg["data"] = {"class_path": class_path, "init_args": {"batch_size": 8, "num_workers": 0, "image_size": 32,
                                                            "preset": "imagenet", **init_args}}
     path = tmp_path / "config.yaml"

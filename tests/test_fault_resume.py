@@ -22,8 +22,8 @@ from tests.helpers import (
     kill_args,
     make_image_folder,
     max_diff,
+    resume_config,
     run_cli,
-    shipped_config,
 )
 from tests.helpers import (
     fit_run as _fit,
@@ -58,20 +58,11 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     TrivialAugment, random erasing), which a resume must draw again alike, and one of the recipe's samplers, whose
     position a resume must restore: class-balanced sampling on one process, repeated augmentation on several.
     """
-    cfg = shipped_config()
+    cfg = resume_config(devices)
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
     if background_writes:
         cfg["trainer"]["plugins"] = [{"class_path": "training.checkpointing.AsyncAtomicCheckpointIO"}]
-    cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu", devices=devices,
-                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    if devices > 1:
-        cfg["trainer"]["strategy"] = "ddp"
-    callbacks = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    for c in callbacks:
-        if c["init_args"].get("every_n_train_steps"):
-            c["init_args"]["every_n_train_steps"] = 2
-    cfg["trainer"]["callbacks"] = callbacks
-    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
+    callbacks = cfg["trainer"]["callbacks"]
     if recipe:
         cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0, freeze_backbone_epochs=1)  # thaws at epoch 1
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})

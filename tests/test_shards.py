@@ -19,7 +19,7 @@ from PIL import Image
 from datamodules import ImageFolderDataModule
 from datamodules.shards import ShardLoader, ShardsDataModule, main, training_split
 from tests.helpers import fit_run as _fit
-from tests.helpers import killed_and_resumed, make_image_folder, shipped_config
+from tests.helpers import killed_and_resumed, make_image_folder, resume_config
 
 BAD_REASON = "not an image (PIL cannot identify the format)"
 
@@ -175,16 +175,8 @@ class SeenImages(Callback):
 
 def _config(tmp_path: Path, shards: Path, *, devices: int, preset: str, every_n_train_steps: int) -> Path:
     """The quickstart config shrunk (resnet18 at 32 px, 2 epochs, 2 loader workers) on the shards."""
-    cfg = shipped_config()
-    cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu", devices=devices,
-                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                          num_sanity_val_steps=0, **({"strategy": "ddp"} if devices > 1 else {}))
-    callbacks = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    for c in callbacks:
-        if c["init_args"].get("every_n_train_steps"):
-            c["init_args"]["every_n_train_steps"] = every_n_train_steps
-    cfg["trainer"]["callbacks"] = callbacks
-    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
+    cfg = resume_config(devices, every_n_train_steps)
+    cfg["trainer"]["num_sanity_val_steps"] = 0
     cfg["data"].update(root=str(shards), batch_size=8 // devices, num_workers=2, image_size=32, preset=preset)
     cfg["data"] = {"class_path": "datamodules.ShardsDataModule", "init_args": cfg["data"]}
     path = tmp_path / f"config{devices}.yaml"
