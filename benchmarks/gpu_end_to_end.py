@@ -51,7 +51,6 @@ class StepClock(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         datamodule = trainer.datamodule
         inner = datamodule.on_after_batch_transfer
-        clock = self
 
         def timed(batch, dataloader_idx):
             self._sync()
@@ -59,7 +58,7 @@ class StepClock(Callback):
             out = inner(batch, dataloader_idx)
             self._sync()
             if trainer.training:
-                clock._augment += time.perf_counter() - start
+                self._augment += time.perf_counter() - start
             return out
 
         datamodule.on_after_batch_transfer = timed
