@@ -4,6 +4,10 @@ never of how many numbers were drawn before: a resumed run draws exactly what th
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 
 
 def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = None) -> int:
@@ -21,3 +25,20 @@ def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = Non
 def draw_seed(seed: int, epoch: int, rank: int, position: int) -> int:
     """The seed of one training draw: a function of (run seed, epoch, rank, its position in the rank's epoch)."""
     return (((seed * 1_000_003 + epoch) * 1_009 + rank) * 2_000_003 + position) % (2**63)
+
+
+@contextmanager
+def seeded_cpu_draws(seed: int) -> Iterator[None]:
+    """Inside the block, torch's CPU generator is seeded with `seed`; after it, its state is as before.
+
+    What `torch.random.fork_rng(devices=[])` around `torch.manual_seed(seed)` does for the CPU, the only generator a
+    per-sample transform draws from, without the latter's seeding of every other device type too (CUDA, XPU, MTIA:
+    each queued lazily with a captured stack trace, the most of a sample's seeding cost; benchmarks/input_profile.py).
+    """
+    generator = torch.default_generator
+    state = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(state)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from core.seeding import seeded_cpu_draws
 from datamodules.images import read_image
 
 
@@ -109,8 +110,7 @@ class SeededImages(Dataset):
             return self._load(index), target
         if self.transform is None:  # augment_on_device: the seed travels with the file to `augment_batch`
             return self._load(index), target, seed
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_cpu_draws(seed):
             return self._load(index), target
 
 
@@ -133,8 +133,7 @@ class SeededItems(Dataset):
         index, seed = item if isinstance(item, tuple) else (item, None)
         if seed is None:
             return self.dataset[index]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_cpu_draws(seed):
             return self.dataset[index]
 
 

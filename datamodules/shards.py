@@ -25,7 +25,7 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming.downloader import get_downloader
 from litdata.streaming.sampler import ChunkedIndex
 
-from core.seeding import draw_seed
+from core.seeding import draw_seed, seeded_cpu_draws
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.datasets import UnreadableImageError
 from datamodules.image_data import ImageData, Transforms
@@ -151,8 +151,7 @@ class ShardImages(StreamingDataset):
                 return (image, target, seed) if seed is not None else (image, target)
             if seed is None:
                 return self.image_transform(image), target
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
+            with seeded_cpu_draws(seed):
                 return self.image_transform(image), target
         except Exception as err:
             raise UnreadableImageError(f"cannot read image {sample['path']} (sample {position} of "

@@ -183,3 +183,19 @@ def test_the_datamodule_builds_the_balanced_sampler_and_refuses_two_samplers(tmp
         ImageFolderDataModule(root=str(root), sampler="balanced", repeated_augmentation=2)
     with pytest.raises(ValueError, match="data.sampler='weighted' is unknown"):
         ImageFolderDataModule(root=str(root), sampler="weighted")
+
+
+def test_seeded_cpu_draws_draw_what_manual_seed_draws_and_leave_the_generator_as_it_was():
+    from core.seeding import seeded_cpu_draws
+
+    torch.manual_seed(7)
+    expected = torch.rand(5)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with seeded_cpu_draws(7):
+        drawn = torch.rand(5)
+    assert torch.equal(drawn, expected)
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(RuntimeError), seeded_cpu_draws(7):
+        raise RuntimeError("a transform that fails")
+    assert torch.equal(torch.get_rng_state(), before)  # restored on an error too
