@@ -5,6 +5,7 @@ folder of images, the bad-image scan of files)."""
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -20,6 +21,9 @@ from datamodules.presets import ClassificationPresetEval, ClassificationPresetTr
 from datamodules.transforms import ImageTransform, ThenFloat, contract_of, stated, transform_config
 
 log = logging.getLogger(__name__)
+
+# Lightning's advice for a module among the hyperparameters; ImageData replaces its transforms there by their config.
+warnings.filterwarnings("ignore", message=r"Attribute '(train|eval)_transform' is an instance of `nn.Module`")
 
 
 class Transforms(NamedTuple):
@@ -132,6 +136,8 @@ class ImageData(ClassificationData):
         return Transforms(train, evaluate, train_encoded=self.fast_decode, eval_encoded=False)
 
     def setup(self, stage: str) -> None:
+        if stage == "fit":  # only a fit runs the training transform
+            normalisation_of(self.train_transform, self.eval_transform, strict=True)
         transforms = self.transforms()
         if stage == "predict":
             self.predict_set = self._predict_images(transforms)
@@ -182,12 +188,12 @@ class ImageData(ClassificationData):
         return kept
 
 
-def normalisation_of(train, evaluate) -> tuple[list[float] | None, list[float] | None]:
+def normalisation_of(train, evaluate, *, strict: bool = False) -> tuple[list[float] | None, list[float] | None]:
     """(mean, std) of the float stage: what the evaluation transform states (else the training one); None: pixels
-    are only scaled to [0, 1]. Refuses two transforms that state different ones."""
+    are only scaled to [0, 1]. `strict` (fit) refuses two transforms that state different ones."""
     pairs = [(stated(t, "mean"), stated(t, "std")) for t in (evaluate, train)]
     given = [p for p in pairs if p != (None, None)]
-    if len(given) == 2 and given[0] != given[1]:
+    if strict and len(given) == 2 and given[0] != given[1]:
         raise ValueError(f"data.train_transform normalises with mean, std {given[1]} and data.eval_transform with "
                          f"{given[0]}; the float stage is one: give both transforms the same mean and std")
     return given[0] if given else (None, None)

@@ -30,7 +30,8 @@ def auto_augment_transform(policy: AutoAugment, magnitude: int | None = None) ->
     ImageNet policy has none.
     """
     if policy not in AUTO_AUGMENTS:
-        raise ValueError(f"data.train_transform.auto_augment={policy!r} is unknown; choose one of {', '.join(AUTO_AUGMENTS)}")
+        raise ValueError(f"data.train_transform.auto_augment={policy!r} is unknown; choose one of "
+                         f"{', '.join(AUTO_AUGMENTS)}")
     if policy == "none":
         return None
     if policy == "autoaugment":

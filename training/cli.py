@@ -214,6 +214,8 @@ def subclass_error_message(message: str) -> str:
         close = difflib.get_close_matches(unknown[1], _init_keys(class_path), n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(f'--{section}.{c}' for c in close)}?" if close else ""
         return f"--{key} is not an option{hint} ({section}.class_path: {class_path})"
+    if re.match(r"--[\w.]+ is not an option", inner):  # a nested class's key (data.train_transform), worded
+        return re.sub(r"\((?=[\w.]+\.class_path:)", f"({section}.", re.sub(r"--(?=\w)", f"--{section}.", inner))
     if re.match(r"[\w.]+=", inner):  # a value out of range, already worded by plain_parser_error
         return f"{section}.{inner}"
     nested = re.match(r'Parser key "([\w.]+)": (.*)', inner)
