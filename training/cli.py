@@ -294,8 +294,10 @@ class ImgclsCLI(LightningCLI):
         if subcommand != "fit":  # the run's data class and evaluation transform, unless the user set them
             explicit = self.explicit_of(subcommand)
             data = self.config[subcommand].data
+            # The parse without defaults still names the default class: only another one counts as the user's.
+            named = explicit_class(explicit, "data")
             update = evaluation_data(data_args(self.config[subcommand]), explicit_keys(explicit, "data"), saved,
-                                     subcommand, data.class_path, explicit_class(explicit, "data"))
+                                     subcommand, data.class_path, None if _is_default_data(named) else named)
             if update:
                 self.config = self.parser.parse_object({subcommand: {"data": update}}, self.config)
 
@@ -432,6 +434,17 @@ class _DataInstantiator(_InstantiatorFn):
                                          f"{root} is {kinds[datamodule.multilabel]}")
         datamodule.class_names, datamodule.multilabel = saved.class_names, multilabel
         return datamodule
+
+
+def _is_default_data(class_path: str | None) -> bool:
+    """Whether `class_path` names the default data class (by any of its import paths), or none."""
+    if not class_path:
+        return True
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name) is ImageFolderDataModule
+    except (ImportError, AttributeError):
+        return False
 
 
 def data_args(config) -> Namespace:
