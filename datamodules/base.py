@@ -47,7 +47,8 @@ class ClassificationData(DeviceBatches):
       ``test_set`` (test), ``predict_set`` (predict). Each yields ``(image, target)``: a (3, H, W) float tensor, or
       uint8 (converted and normalised on the device by ``float_transform``: the evaluation transform's mean and
       std); a class index, or a float multi-hot row of ``num_classes``. ``predict_set`` yields ``(image, index)``
-      and has ``paths`` (a name per index, written in predictions.csv). ``train_set.targets`` (one class index per sample) is needed by ``sampler: balanced``.
+      and has ``paths`` (a name per index, written in predictions.csv). ``train_set.targets`` (one class index per
+      sample) is needed by ``sampler: balanced``.
 
     What this class does with them:
 
