@@ -23,15 +23,16 @@ EPOCHS, SEEDS = 4, (0, 1, 2)
 EMA = ["--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.decay=0.99"]
 INGREDIENTS: dict[str, list[str]] = {
     "baseline: quickstart recipe (label smoothing 0.1)": [],
-    "+ TrivialAugmentWide": ["--data.auto_augment", "trivialaugment"],
-    "+ random erasing 0.1": ["--data.random_erasing", "0.1"],
+    "+ TrivialAugmentWide": ["--data.train_transform.auto_augment", "trivialaugment"],
+    "+ random erasing 0.1": ["--data.train_transform.random_erasing", "0.1"],
     "+ mixup 0.2 / CutMix 1.0": ["--model.mixup_alpha", "0.2", "--model.cutmix_alpha", "1.0"],
     "+ EMA of the weights (decay 0.99)": EMA,
     "+ repeated augmentation x3": ["--data.repeated_augmentation", "3"],
-    "+ FixRes: train 32 px, evaluate 40 px": ["--data.eval_image_size", "40"],
-    "all of the above": ["--data.auto_augment", "trivialaugment", "--data.random_erasing", "0.1", "--model.mixup_alpha",
+    "+ FixRes: train 32 px, evaluate 40 px": ["--data.eval_transform.image_size", "40"],
+    "all of the above": ["--data.train_transform.auto_augment", "trivialaugment",
+                         "--data.train_transform.random_erasing", "0.1", "--model.mixup_alpha",
                          "0.2", "--model.cutmix_alpha", "1.0", *EMA, "--data.repeated_augmentation", "3",
-                         "--data.eval_image_size", "40"],
+                         "--data.eval_transform.image_size", "40"],
 }
 QUICK = ["all of the above"]  # checks that every ingredient runs together
 

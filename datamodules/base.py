@@ -41,13 +41,14 @@ class ClassificationData(DeviceBatches):
       so they must be cheap: a listing, no decoding):
       ``class_names``, the class names in target-index order (None only for ``predict`` from a checkpoint, which
       carries them); ``multilabel``, True when each target is a multi-hot row (default False); and, where the
-      source preprocesses images itself, the ``input_contract`` property (`datamodules.presets.input_contract`:
+      source preprocesses images itself, the ``input_contract`` property (`datamodules.transforms.contract_of`:
       the evaluation preprocessing, which the model keeps in its checkpoints; default None);
     - in ``setup(stage)``, the map-style datasets the loaders read: ``train_set`` and ``val_set`` (fit, validate),
       ``test_set`` (test), ``predict_set`` (predict). Each yields ``(image, target)``: a (3, H, W) float tensor, or
-      uint8 (converted and normalised on the device by ``float_transform``); a class index, or a float multi-hot
-      row of ``num_classes``. ``predict_set`` yields ``(image, index)`` and has ``paths`` (a name per index, written
-      in predictions.csv). ``train_set.targets`` (one class index per sample) is needed by ``sampler: balanced``.
+      uint8 (converted and normalised on the device by ``float_transform``: the evaluation transform's mean and
+      std); a class index, or a float multi-hot row of ``num_classes``. ``predict_set`` yields ``(image, index)``
+      and has ``paths`` (a name per index, written in predictions.csv). ``train_set.targets`` (one class index per
+      sample) is needed by ``sampler: balanced``.
 
     What this class does with them:
 
@@ -117,7 +118,7 @@ class ClassificationData(DeviceBatches):
 
     @property
     def input_contract(self) -> dict | None:
-        """The evaluation preprocessing a model trained on this data expects, as values (`presets.input_contract`),
+        """The evaluation preprocessing a model trained on this data expects (`transforms.contract_of`),
         linked into the model; None where the source hands over images the model takes as they are."""
         return None
 

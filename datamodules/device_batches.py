@@ -15,7 +15,7 @@ from datamodules.images import decode_images
 class DeviceBatches(L.LightningDataModule):
     """The LightningDataModule hooks that finish a batch on the device. The subclass sets `float_transform`,
     `progressive_resizing` ({epoch: side} or None), `train_image_size`, `_device_transforms` ("train" | "eval" ->
-    the uint8 preset, for augment_on_device) and `training_batches`, the count of training batches transferred so
+    the uint8 transform, for augment_on_device) and `training_batches`, the count of training batches transferred so
     far (which it checkpoints): the index of the batch in hand, without asking the trainer's loops."""
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
@@ -38,14 +38,15 @@ class DeviceBatches(L.LightningDataModule):
             x = self.augment_batch(x, y.device, train=train, seed=seed)
         if self.progressive_resizing and train:
             side = self.train_side(self.trainer.current_epoch)
-            if side != x.shape[-1]:
+            if side is not None and side != x.shape[-1]:
                 x = TF.resize(x, [side, side], antialias=True)  # (B, 3, side, side), uint8 stays uint8
         if x.dtype == torch.uint8:
             x = self.float_transform(x)
         return x, y
 
     def train_side(self, epoch: int) -> int:
-        """The training image side at `epoch`: the progressive_resizing entry in force, else train_image_size."""
+        """The training image side at `epoch`: the progressive_resizing entry in force, else train_image_size (None
+        when the training transform states no size: the batch is left as it is)."""
         due = [e for e in self.progressive_resizing or {} if e <= epoch]
         return self.progressive_resizing[max(due)] if due else self.train_image_size
 

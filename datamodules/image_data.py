@@ -1,33 +1,29 @@
-"""Image sources whose pixels go through a transform preset: the part the image folder, the CSV manifest, Hugging
-Face datasets and LitData shards share (transform settings, the input contract, predicting a folder of images, the
-bad-image scan of files)."""
+"""Image sources whose pixels go through injected transforms: the part the image folder, the CSV manifest, Hugging
+Face datasets and LitData shards share (the training and evaluation pipelines, the input contract, predicting a
+folder of images, the bad-image scan of files)."""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from core.config_types import ClosedUnitInterval, ImageSide, check_arguments
+from core.config_types import ImageSide, check_arguments
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.base import ClassificationData
 from datamodules.datasets import PredictImages, collate_encoded
 from datamodules.images import list_images, read_encoded, read_image
-from datamodules.presets import (
-    AutoAugment,
-    ClassificationPresetEval,
-    ClassificationPresetTrain,
-    Preset,
-    check_fast_decode,
-    check_schedule,
-    float_transform,
-    input_contract,
-)
+from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain, Preset, check_schedule, float_stage
+from datamodules.transforms import ImageTransform, ThenFloat, contract_of, stated, transform_config
 
 log = logging.getLogger(__name__)
+
+# Lightning's advice for a module among the hyperparameters; ImageData replaces its transforms there by their config.
+warnings.filterwarnings("ignore", message=r"Attribute '(train|eval)_transform' is an instance of `nn.Module`")
 
 
 class Transforms(NamedTuple):
@@ -44,39 +40,32 @@ class Transforms(NamedTuple):
 
 
 class ImageData(ClassificationData):
-    """Images prepared by a transform preset (datamodules/presets.py): a subclass lists its samples in
-    `setup_datasets(stage, transforms)`; this class builds the transforms, states the input contract and predicts
-    the images of `predict_dir`.
+    """Images prepared by injected transforms (datamodules/transforms.py): a subclass lists its samples in
+    `setup_datasets(stage, transforms)`; this class places the training and evaluation pipelines, states the input
+    contract and predicts the images of `predict_dir`.
 
     Args:
-        preset: transform preset, one of ``imagenet``, ``keras``, ``none``.
-        image_size: side of the square image fed to the network.
-        train_image_size: side of the training crops, null = image_size. Smaller than eval_image_size is FixRes
-            (torchvision's V2 recipe trains at 176 and evaluates at 224): the random crops enlarge objects, and
-            evaluating larger makes up for it.
-        eval_image_size: side of the validation, test and prediction images, null = image_size.
-        eval_resize_size: preset ``imagenet``: the short side those images are resized to before their center crop
-            of eval_image_size; null = eval_image_size / 0.875 (256 for 224). torchvision's V2 recipe: 232.
+        train_transform: the training pipeline, by class_path: a shipped preset
+            (`datamodules.presets.ClassificationPresetTrain`, the default), any torchvision v2 transform, or a class
+            of yours (`datamodules.transforms.ImageTransform`: uint8 (3, H, W) in, uint8 (3, S, S) out).
+        eval_transform: the validation, test and prediction pipeline, likewise
+            (`datamodules.presets.ClassificationPresetEval`, the default). It becomes the model's input contract: a
+            checkpoint evaluates, predicts and exports with it.
+        preset: short form: the preset of a shipped preset whose own is null: ``imagenet``, ``keras`` or ``none``.
+        image_size: short form: the side of a shipped preset whose own is null (both, unless FixRes sets them).
         progressive_resizing: epoch -> training image side from that epoch on, e.g. ``{0: 128, 6: 160, 12: 176}``
             (progressive resizing, as in FFCV and Composer: small, fast images early, full size late). The loaders
-            keep producing train_image_size crops; each training batch is resized on the device, before
-            normalisation. Validation keeps eval_image_size. null is off.
-        auto_augment: automatic augmentation policy of the training images (torchvision v2, on uint8): ``none``,
-            ``trivialaugment`` (TrivialAugmentWide, torchvision's V2 recipe), ``randaugment``, ``autoaugment``
-            (ImageNet policy) or ``augmix``.
-        auto_augment_magnitude: the policy's strength, null = torchvision's default: RandAugment magnitude (9),
-            AugMix severity (3), TrivialAugmentWide's number of magnitude bins (31).
-        random_erasing: probability of erasing a random box of each training image (0.1 in torchvision's V2 recipe),
-            filled with the pixel that normalises to zero.
+            keep producing the training transform's crops; each training batch is resized on the device, before
+            normalisation. Evaluation keeps its size. null is off.
         normalize_on_device: workers yield uint8 batches and the float conversion and normalization run after the
             copy to the device (same values, 4x fewer bytes moved); false yields float batches from the workers.
         augment_on_device: workers only read the files; JPEG decoding (nvJPEG on CUDA, one call per batch), the
-            preset's augmentation and the normalization run on the device, image by image, in the main process.
-            For when the CPU cores cannot feed the GPUs; on a CPU-only machine it only moves the work around.
+            transforms and the normalization run on the device, image by image, in the main process. For when the
+            CPU cores cannot feed the GPUs; on a CPU-only machine it only moves the work around.
         fast_decode: training JPEGs (imagenet preset) are decoded by libjpeg-turbo's fast path: fast integer IDCT
             and chroma upsampling, and at 1/2, 1/4 or 1/8 scale when the random crop is that many times larger than
-            image_size. Less CPU per image (benchmarks/input_pipeline.py); pixels differ from the exact decode by
-            about one level in 255 on average. Validation, test and prediction images are always decoded exactly.
+            its output. Less CPU per image (benchmarks/input_pipeline.py); pixels differ from the exact decode by
+            about one level in 255 on average. Evaluation images are always decoded exactly.
         predict_dir: folder of images (nested folders allowed) for ``imgcls predict``.
         bad_images: what to do with image files that cannot be decoded, found by a scan at setup: ``raise`` (list
             them all and stop before training) or ``skip`` (log them and train on the rest).
@@ -88,15 +77,11 @@ class ImageData(ClassificationData):
 
     def __init__(
         self,
+        train_transform: ImageTransform | None = None,
+        eval_transform: ImageTransform | None = None,
         preset: Preset = "imagenet",
         image_size: ImageSide = 224,
-        train_image_size: ImageSide | None = None,
-        eval_image_size: ImageSide | None = None,
-        eval_resize_size: ImageSide | None = None,
         progressive_resizing: dict[int, int] | None = None,
-        auto_augment: AutoAugment = "none",
-        auto_augment_magnitude: int | None = None,
-        random_erasing: ClosedUnitInterval = 0.0,
         normalize_on_device: bool = True,
         augment_on_device: bool = False,
         fast_decode: bool = False,
@@ -107,40 +92,52 @@ class ImageData(ClassificationData):
     ) -> None:
         check_arguments("data", ImageData.__init__, locals())  # the annotated ranges and choices
         super().__init__(**kwargs)
-        check_fast_decode(preset, fast_decode)
-        self.preset, self.image_size, self.eval_resize_size = preset, image_size, eval_resize_size
-        self.train_image_size, self.eval_image_size = train_image_size or image_size, eval_image_size or image_size
-        ClassificationPresetEval(preset=preset, image_size=self.eval_image_size, resize_size=eval_resize_size)  # checks
+        self.preset, self.image_size = preset, image_size
+        train = train_transform if train_transform is not None else ClassificationPresetTrain()
+        evaluate = eval_transform if eval_transform is not None else ClassificationPresetEval()
+        if isinstance(train, ClassificationPresetTrain):
+            train = train.with_defaults(preset=preset, image_size=image_size, uint8_output=True,
+                                        fast_decode=fast_decode)
+        elif fast_decode and not getattr(train, "reads_encoded", False):
+            raise ValueError(f"data.fast_decode decodes JPEGs inside the training transform, and "
+                             f"{type(train).__name__} takes decoded images; set data.fast_decode false")
+        if isinstance(evaluate, ClassificationPresetEval):
+            evaluate = evaluate.with_defaults(preset=preset, image_size=image_size, uint8_output=True)
+        self.train_transform, self.eval_transform = train, evaluate
+        # What a checkpoint rebuilds them from: a config, never the objects (checkpoints load weights_only).
+        given = {k: self.hparams.get(k) for k in ("train_transform", "eval_transform")}
+        self.hparams.update({k: transform_config(t, given[k]) for k, t in (("train_transform", train),
+                                                                           ("eval_transform", evaluate))})
+        self._contract = contract_of(evaluate, given["eval_transform"])
+        self.train_image_size, self.eval_image_size = stated(train, "image_size"), stated(evaluate, "image_size")
         self.progressive_resizing = check_schedule(progressive_resizing, self.train_image_size)
-        self.augment = dict(auto_augment=auto_augment, auto_augment_magnitude=auto_augment_magnitude,
-                            random_erasing=random_erasing)
-        ClassificationPresetTrain(preset=preset, image_size=self.train_image_size, **self.augment)  # checks the keys
         self.normalize_on_device, self.augment_on_device = normalize_on_device, augment_on_device
         self.fast_decode, self.bad_images, self.scan_cache = fast_decode, bad_images, scan_cache
         self.predict_dir = Path(predict_dir).expanduser() if predict_dir is not None else None
-        self.float_transform = float_transform(preset)  # uint8 (B, 3, H, W) -> float32 (B, 3, H, W)
+        self.float_transform = float_stage(*normalisation_of(train, evaluate))  # uint8 (B, 3, H, W) -> float32
         self.collate_fn = collate_encoded if augment_on_device else self.collate_fn
 
     @property
     def input_contract(self) -> dict:
-        """The evaluation preprocessing, as values (`datamodules.presets.input_contract`): linked into the model, which
-        keeps it in its checkpoints, so that a checkpoint evaluates and predicts as it was validated."""
-        return input_contract(self.preset, self.eval_image_size, self.eval_resize_size)
+        """The evaluation preprocessing (`datamodules.transforms.contract_of`): values (size, mean, std, ...) and the
+        eval transform's class_path and init_args, linked into the model, which keeps it in its checkpoints, so that
+        a checkpoint evaluates, predicts and exports as it was validated."""
+        return dict(self._contract)
 
     def transforms(self) -> Transforms:
-        """The preset's training and evaluation transforms, as this run's settings place them."""
-        outputs_uint8 = self.normalize_on_device or self.augment_on_device
-        train = ClassificationPresetTrain(preset=self.preset, image_size=self.train_image_size,
-                                          uint8_output=outputs_uint8, fast_decode=self.fast_decode, **self.augment)
-        evaluate = ClassificationPresetEval(preset=self.preset, image_size=self.eval_image_size,
-                                            uint8_output=outputs_uint8, resize_size=self.eval_resize_size)
+        """The training and evaluation transforms, as this run's settings place them."""
         if self.augment_on_device:  # the workers read; `augment_batch` decodes and transforms on the device
-            self._device_transforms = {"train": train, "eval": evaluate}
+            self._device_transforms = {"train": self.train_transform, "eval": self.eval_transform}
             return Transforms(None, None, train_encoded=True, eval_encoded=True)
+        train, evaluate = self.train_transform, self.eval_transform
+        if not self.normalize_on_device:
+            train, evaluate = ThenFloat(train, self.float_transform), ThenFloat(evaluate, self.float_transform)
         # With fast_decode the training transform decodes each JPEG for its crop (reduced size when it can).
         return Transforms(train, evaluate, train_encoded=self.fast_decode, eval_encoded=False)
 
     def setup(self, stage: str) -> None:
+        if stage == "fit":  # only a fit runs the training transform
+            normalisation_of(self.train_transform, self.eval_transform, strict=True)
         transforms = self.transforms()
         if stage == "predict":
             self.predict_set = self._predict_images(transforms)
@@ -189,3 +186,14 @@ class ImageData(ClassificationData):
             raise ValueError(f"no usable image is left in a split after skipping {len(bad)} bad files "
                              f"(first: {bad[0][0]})")
         return kept
+
+
+def normalisation_of(train, evaluate, *, strict: bool = False) -> tuple[list[float] | None, list[float] | None]:
+    """(mean, std) of the float stage: what the evaluation transform states (else the training one); None: pixels
+    are only scaled to [0, 1]. `strict` (fit) refuses two transforms that state different ones."""
+    pairs = [(stated(t, "mean"), stated(t, "std")) for t in (evaluate, train)]
+    given = [p for p in pairs if p != (None, None)]
+    if strict and len(given) == 2 and given[0] != given[1]:
+        raise ValueError(f"data.train_transform normalises with mean, std {given[1]} and data.eval_transform with "
+                         f"{given[0]}; the float stage is one: give both transforms the same mean and std")
+    return given[0] if given else (None, None)

@@ -1,4 +1,5 @@
-"""Named transform presets (torchvision transforms v2), chosen by name in the config."""
+"""The shipped transform presets (torchvision transforms v2): classes with keyword arguments, as torchvision's
+references/classification presets.py, injected as ``data.train_transform`` and ``data.eval_transform``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from core.config_types import ImageSide, check_arguments
 from datamodules.images import decode_for_crop
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -28,13 +30,14 @@ def auto_augment_transform(policy: AutoAugment, magnitude: int | None = None) ->
     ImageNet policy has none.
     """
     if policy not in AUTO_AUGMENTS:
-        raise ValueError(f"data.auto_augment={policy!r} is unknown; choose one of {', '.join(AUTO_AUGMENTS)}")
+        raise ValueError(f"data.train_transform.auto_augment={policy!r} is unknown; choose one of "
+                         f"{', '.join(AUTO_AUGMENTS)}")
     if policy == "none":
         return None
     if policy == "autoaugment":
         if magnitude is not None:
-            raise ValueError("data.auto_augment_magnitude has no meaning for autoaugment (ImageNet policy); set it "
-                             "null")
+            raise ValueError("data.train_transform.auto_augment_magnitude has no meaning for autoaugment (ImageNet "
+                             "policy); set it null")
         return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
     key, default = {"trivialaugment": ("num_magnitude_bins", 31), "randaugment": ("magnitude", 9),
                     "augmix": ("severity", 3)}[policy]
@@ -55,10 +58,14 @@ def float_transform(preset: Preset) -> v2.Compose:
     The DataModule runs it on whole batches after the host-to-device copy, so workers ship uint8 (4x fewer bytes
     through shared memory and the copy) and the arithmetic runs on the accelerator.
     """
-    _check_preset(preset)
+    return float_stage(*normalization(preset))
+
+
+def float_stage(mean: list[float] | None, std: list[float] | None) -> v2.Compose:
+    """uint8 (..., 3, H, W) -> float32 in [0, 1], then (x - mean) / std where they normalise (None: not at all)."""
     steps = [v2.ToDtype(torch.float32, scale=True)]
-    if preset == "imagenet":
-        steps.append(v2.Normalize(IMAGENET_MEAN, IMAGENET_STD))
+    if mean is not None and std is not None and (any(mean) or any(s != 1 for s in std)):
+        steps.append(v2.Normalize(list(mean), list(std)))
     return v2.Compose(steps)
 
 
@@ -95,18 +102,46 @@ class RandomResizedCropFlip:
 
 
 class ClassificationPresetTrain:
-    """Training-time augmentation: PIL image or uint8 tensor in, float tensor (3, H, W) out.
+    """Training-time augmentation (torchvision v2), as torchvision's references/classification presets: a decoded
+    image (uint8 (3, H, W) tensor or PIL image) in, float (3, S, S) out; with ``uint8_output=True`` it stops before
+    `float_transform` and returns the uint8 (3, S, S) image (`datamodules.transforms.ImageTransform`'s contract, as
+    the DataModule builds it). The imagenet preset also takes a JPEG's bytes (`RandomResizedCropFlip`), decoded fast
+    with ``fast_decode``.
 
-    With ``uint8_output=True`` it stops before `float_transform` and returns the uint8 tensor (3, H, W). The
-    imagenet preset also takes a JPEG's bytes (`RandomResizedCropFlip`), decoded fast with ``fast_decode``.
+    As ``data.train_transform``, a null `preset` or `image_size` is the DataModule's ``data.preset`` and
+    ``data.image_size`` (the short forms), and ``data.fast_decode`` decides `fast_decode`.
+
+    Args:
+        preset: ``imagenet`` (random resized crop and flip), ``keras`` (resize, rotation, shifts, flip) or ``none``
+            (resize only); null: data.preset (imagenet standalone).
+        image_size: side of the training crops; null: data.image_size (224 standalone). Below the evaluation side is
+            FixRes (torchvision's V2 recipe trains at 176 and evaluates at 224): random crops enlarge objects, and
+            evaluating larger makes up for it.
+        auto_augment: automatic augmentation policy (on uint8): ``none``, ``trivialaugment`` (TrivialAugmentWide,
+            torchvision's V2 recipe), ``randaugment``, ``autoaugment`` (ImageNet policy) or ``augmix``.
+        auto_augment_magnitude: the policy's strength, null = torchvision's default: RandAugment magnitude (9),
+            AugMix severity (3), TrivialAugmentWide's number of magnitude bins (31).
+        random_erasing: probability of erasing a random box of each image (0.1 in torchvision's V2 recipe), filled
+            with the pixel that normalises to zero.
+        uint8_output: stop before the float conversion and normalisation.
+        fast_decode: JPEG bytes are decoded by libjpeg-turbo's fast path for the crop (imagenet only).
     """
 
-    def __init__(self, *, preset: Preset = "imagenet", image_size: int = 224, uint8_output: bool = False,
-                 fast_decode: bool = False, auto_augment: AutoAugment = "none",
-                 auto_augment_magnitude: int | None = None, random_erasing: float = 0.0) -> None:
+    def __init__(self, *, preset: Preset | None = None, image_size: ImageSide | None = None,
+                 auto_augment: AutoAugment = "none", auto_augment_magnitude: int | None = None,
+                 random_erasing: float = 0.0, uint8_output: bool = False, fast_decode: bool = False) -> None:
+        check_arguments("data.train_transform", ClassificationPresetTrain.__init__,
+                        dict(preset=preset, image_size=image_size))
+        self.init_args = dict(preset=preset, image_size=image_size, auto_augment=auto_augment,
+                              auto_augment_magnitude=auto_augment_magnitude, random_erasing=random_erasing)
+        preset, image_size = preset or "imagenet", int(image_size or 224)
         check_fast_decode(preset, fast_decode)
         if not 0.0 <= random_erasing <= 1.0:
-            raise ValueError(f"data.random_erasing={random_erasing} is a probability: choose a value in [0, 1]")
+            raise ValueError(f"data.train_transform.random_erasing={random_erasing} is a probability: choose a value "
+                             "in [0, 1]")
+        self.preset, self.image_size = preset, image_size
+        self.mean, self.std = normalization(preset)
+        self.reads_encoded = preset == "imagenet"  # RandomResizedCropFlip decodes a JPEG's bytes for its crop
         if preset == "imagenet":
             # Cropped and resized as uint8, before the float conversion: cheaper per pixel. Takes JPEG bytes too.
             steps = [RandomResizedCropFlip(image_size, fast_decode=fast_decode)]
@@ -128,57 +163,109 @@ class ClassificationPresetTrain:
             steps.append(v2.RandomErasing(p=random_erasing, value=erase_value(preset)))
         self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_transform(preset).transforms])
 
+    def with_defaults(self, *, preset: Preset, image_size: int, **options) -> ClassificationPresetTrain:
+        """This preset with a null preset or image_size taken from the DataModule, and `options` (uint8_output,
+        fast_decode) set: what the DataModule runs."""
+        args = {**self.init_args, **options}
+        args.update(preset=args["preset"] or preset, image_size=args["image_size"] or image_size)
+        return type(self)(**args)
+
+    def config(self) -> dict:
+        """class_path and init_args that rebuild this transform, its preset and size resolved."""
+        init_args = {**self.init_args, "preset": self.preset, "image_size": self.image_size}
+        return {"class_path": f"{type(self).__module__}.{type(self).__name__}", "init_args": init_args}
+
     def __call__(self, img):
         return self.transforms(img)
 
 
 class ClassificationPresetEval:
-    """Evaluation transform: deterministic resize (and crop for `imagenet`); ``uint8_output`` as for training.
+    """Evaluation transform: deterministic resize (and center crop for `imagenet`); ``uint8_output`` as for
+    training. As ``data.eval_transform``, a null `preset` or `image_size` is the DataModule's data.preset and
+    data.image_size; the run's resolved values become the model's input contract (`config`, `contract_values`).
 
-    `resize_size` (``imagenet``): the short side before the center crop; None is the usual 0.875 crop ratio,
-    image_size / 0.875 (256 for 224). torchvision's V2 weights evaluate at 232 -> 224.
+    Args:
+        preset: ``imagenet`` (resize the short side, then center crop) or ``keras`` / ``none`` (resize to a square);
+            null: data.preset (imagenet standalone).
+        image_size: side of the validation, test and prediction images; null: data.image_size (224 standalone).
+        resize_size: ``imagenet``: the short side before the center crop; null = image_size / 0.875 (256 for 224).
+            torchvision's V2 weights evaluate at 232 -> 224.
+        uint8_output: stop before the float conversion and normalisation.
     """
 
-    def __init__(self, *, preset: Preset = "imagenet", image_size: int = 224, uint8_output: bool = False,
-                 resize_size: int | None = None) -> None:
-        _check_preset(preset)
-        resize_size = resize_size or int(round(image_size / 0.875))
-        if resize_size < image_size:
-            raise ValueError(f"data.eval_resize_size={resize_size} is below the crop, data.eval_image_size="
-                             f"{image_size}; it is the short side before the center crop")
+    def __init__(self, *, preset: Preset | None = None, image_size: ImageSide | None = None,
+                 resize_size: ImageSide | None = None, uint8_output: bool = False) -> None:
+        check_arguments("data.eval_transform", ClassificationPresetEval.__init__,
+                        dict(preset=preset, image_size=image_size, resize_size=resize_size))
+        self.init_args = dict(preset=preset, image_size=image_size, resize_size=resize_size)
+        resolved = image_size is not None  # else data.image_size decides, and the crop is checked then
+        preset, image_size = preset or "imagenet", int(image_size or 224)
+        self.preset, self.image_size = preset, image_size
+        self.resize_size = int(resize_size or round(image_size / 0.875))
+        if resolved and self.resize_size < image_size:
+            raise ValueError(f"data.eval_transform.resize_size={self.resize_size} is below the crop, "
+                             f"data.eval_transform.image_size={image_size}; it is the short side before the center "
+                             "crop")
+        self.mean, self.std = normalization(preset)
         if preset == "imagenet":
             steps = [
                 v2.PILToTensor(),
-                v2.Resize(resize_size, antialias=True),
+                v2.Resize(self.resize_size, antialias=True),
                 v2.CenterCrop(image_size),
             ]
         else:
             steps = _plain(image_size)
         self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_transform(preset).transforms])
 
+    def with_defaults(self, *, preset: Preset, image_size: int, **options) -> ClassificationPresetEval:
+        """This preset with a null preset or image_size taken from the DataModule, and `options` (uint8_output) set."""
+        args = {**self.init_args, **options}
+        args.update(preset=args["preset"] or preset, image_size=args["image_size"] or image_size)
+        return type(self)(**args)
+
+    def config(self) -> dict:
+        """class_path and init_args that rebuild this transform (`datamodules.transforms.build_transform`)."""
+        init_args = dict(preset=self.preset, image_size=self.image_size,
+                         resize_size=self.resize_size if self.preset == "imagenet" else None)
+        return {"class_path": f"{type(self).__module__}.{type(self).__name__}", "init_args": init_args}
+
+    def contract_values(self) -> dict:
+        """The values of the model's input contract (`input_contract`)."""
+        return input_contract(self.preset, self.image_size, self.resize_size)
+
     def __call__(self, img):
         return self.transforms(img)
+
+
+def normalization(preset: Preset) -> tuple[list[float], list[float]]:
+    """(mean, std) per channel of the preset's float stage, after scaling pixels to [0, 1]."""
+    _check_preset(preset)
+    if preset == "imagenet":
+        return list(IMAGENET_MEAN), list(IMAGENET_STD)
+    return [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]
 
 
 def input_contract(preset: Preset, image_size: int, resize_size: int | None = None) -> dict:
     """The evaluation preprocessing of `ClassificationPresetEval(preset, image_size, resize_size)` as plain values, as
     timm's `pretrained_cfg` states a model's: what a model trained with it expects of an RGB image. The model keeps it
-    in its checkpoints (`model.input_contract`); evaluation, prediction and export rebuild the transform from it."""
+    in its checkpoints (`model.input_contract`), with the transform's class_path and init_args under ``transform``
+    (`datamodules.transforms.contract_of`); evaluation, prediction and export rebuild the transform from it."""
     _check_preset(preset)
     imagenet = preset == "imagenet"
+    mean, std = normalization(preset)
     return {
         "preset": preset,
         "image_size": int(image_size),  # the square side the network sees
         "resize_size": int(resize_size or round(image_size / 0.875)) if imagenet else None,  # short side, then crop
         "crop": "center" if imagenet else "none",  # none: the whole image resized to a square
         "interpolation": "bilinear",
-        "mean": list(IMAGENET_MEAN) if imagenet else [0.0, 0.0, 0.0],  # after scaling pixels to [0, 1]
-        "std": list(IMAGENET_STD) if imagenet else [1.0, 1.0, 1.0],
+        "mean": mean,  # after scaling pixels to [0, 1]
+        "std": std,
     }
 
 
 def eval_preset(contract: dict, *, uint8_output: bool = False) -> ClassificationPresetEval:
-    """The evaluation transform of an input contract (`input_contract`)."""
+    """The evaluation transform of an input contract of values (`input_contract`)."""
     return ClassificationPresetEval(preset=contract["preset"], image_size=contract["image_size"],
                                     resize_size=contract.get("resize_size"), uint8_output=uint8_output)
 
@@ -200,13 +287,15 @@ def _check_preset(preset: str) -> None:
         raise ValueError(f"data.preset={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
 
 
-def check_schedule(schedule: dict[int, int] | None, train_size: int) -> dict[int, int] | None:
-    """data.progressive_resizing, checked and sorted by epoch: {epoch: side}, each side within [32, train_size]."""
+def check_schedule(schedule: dict[int, int] | None, train_size: int | None) -> dict[int, int] | None:
+    """data.progressive_resizing, checked and sorted by epoch: {epoch: side}, each side within [32, train_size] (the
+    training transform's image_size; unbounded above when it states none)."""
     if not schedule:
         return None
     schedule = {int(epoch): int(side) for epoch, side in schedule.items()}
-    bad = {e: s for e, s in schedule.items() if e < 0 or not 32 <= s <= train_size}
+    bad = {e: s for e, s in schedule.items() if e < 0 or not 32 <= s <= (train_size or s)}
     if bad:
         raise ValueError(f"data.progressive_resizing has entries {bad}: epochs must be >= 0 and sides between 32 and "
-                         f"data.train_image_size={train_size} (the loaders' crop size, which batches are resized from)")
+                         f"data.train_transform.image_size={train_size} (the loaders' crop size, which batches are "
+                         "resized from)")
     return dict(sorted(schedule.items()))

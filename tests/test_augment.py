@@ -12,6 +12,7 @@ from datamodules.presets import (
     AUTO_AUGMENTS,
     IMAGENET_MEAN,
     IMAGENET_STD,
+    ClassificationPresetEval,
     ClassificationPresetTrain,
     auto_augment_transform,
     float_transform,
@@ -65,8 +66,9 @@ def test_random_erasing_fills_a_box_with_the_pixel_that_normalises_to_zero():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"auto_augment": "cutout"}, "data.auto_augment='cutout' is unknown; choose one of none, trivialaugment"),
-    ({"random_erasing": 1.5}, "data.random_erasing=1.5 is a probability"),
+    ({"auto_augment": "cutout"},
+     "data.train_transform.auto_augment='cutout' is unknown; choose one of none, trivialaugment"),
+    ({"random_erasing": 1.5}, "data.train_transform.random_erasing=1.5 is a probability"),
     ({"auto_augment": "autoaugment", "auto_augment_magnitude": 3}, "no meaning for autoaugment"),
 ])
 def test_bad_augmentation_settings_name_the_key(kwargs, message):
@@ -86,8 +88,10 @@ def test_torchvisions_order_crop_flip_policy_erasing_then_the_float_stage():
 def test_the_datamodule_trains_at_train_image_size_and_evaluates_at_eval_image_size(tmp_path):
     """FixRes: smaller training crops than evaluation images; the augmentation keys reach the training transform."""
     root = make_image_folder(tmp_path / "images", {"a": 4, "b": 4}, size=48)
-    data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, train_image_size=32,
-                                 eval_image_size=40, auto_augment="trivialaugment", random_erasing=0.25)
+    data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0,
+                                 train_transform=ClassificationPresetTrain(image_size=32, auto_augment="trivialaugment",
+                                                                           random_erasing=0.25),
+                                 eval_transform=ClassificationPresetEval(image_size=40))
     data.setup("fit")
     x_train, _ = next(iter(data.train_dataloader()))
     x_val, _ = next(iter(data.val_dataloader()))
@@ -96,10 +100,10 @@ def test_the_datamodule_trains_at_train_image_size_and_evaluates_at_eval_image_s
     steps = [type(t).__name__ for t in data.train_set.transform.transforms.transforms]
     assert steps == ["RandomResizedCropFlip", "TrivialAugmentWide", "RandomErasing"]
     assert data.train_set.transform.transforms.transforms[-1].p == 0.25
-    with pytest.raises(ValueError, match="data.eval_image_size=16 is below 32"):
-        ImageFolderDataModule(root=str(root), eval_image_size=16)
-    with pytest.raises(ValueError, match="data.auto_augment='flip' is unknown"):
-        ImageFolderDataModule(root=str(root), auto_augment="flip")
+    with pytest.raises(ValueError, match="data.eval_transform.image_size=16 is below 32"):
+        ImageFolderDataModule(root=str(root), eval_transform=ClassificationPresetEval(image_size=16))
+    with pytest.raises(ValueError, match="data.train_transform.auto_augment='flip' is unknown"):
+        ImageFolderDataModule(root=str(root), train_transform=ClassificationPresetTrain(auto_augment="flip"))
 
 
 def test_progressive_resizing_follows_its_schedule_on_training_batches_only(tmp_path):

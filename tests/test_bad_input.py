@@ -238,6 +238,15 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     (["--model.optimizer", "adamw"], "model.optimizer=adamw moved: give the class, --model.optimizer "
                                      "torch.optim.AdamW"),
     (["--model.optimizer", "lamb"], "model.optimizer=lamb moved: give the class, --model.optimizer timm.optim.Lamb"),
+    (["--data.train_image_size", "40"], "--data.train_image_size moved to --data.train_transform.image_size"),
+    (["--data.eval_image_size", "40"], "--data.eval_image_size moved to --data.eval_transform.image_size"),
+    (["--data.eval_resize_size", "46"], "--data.eval_resize_size moved to --data.eval_transform.resize_size"),
+    (["--data.auto_augment", "augmix"], "--data.auto_augment moved to --data.train_transform.auto_augment"),
+    (["--data.auto_augment_magnitude", "3"],
+     "--data.auto_augment_magnitude moved to --data.train_transform.auto_augment_magnitude"),
+    (["--data.random_erasing", "0.1"], "--data.random_erasing moved to --data.train_transform.random_erasing"),
+    (["--data.train_transform.auto_augmnt", "augmix"], "--data.train_transform.auto_augmnt is not an option; did "
+     "you mean --data.train_transform.auto_augment"),
 ])
 def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -141,9 +141,17 @@ def _killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path, config: Pa
     assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0
 
 
-def test_csv_manifest_fit_killed_mid_epoch_resumes_to_identical_weights(tmp_path, csv_root):
+def test_csv_manifest_fit_killed_mid_epoch_resumes_to_identical_weights_and_validates_from_its_checkpoint(
+        tmp_path, csv_root):
     config = _config(tmp_path, "datamodules.CsvDataModule", {"root": str(csv_root)})
     _killed_and_resumed_matches_the_uninterrupted_run(tmp_path, config)
+    # From the checkpoint alone: the run's data class (the CSV manifest, not the default image folder) reads the root.
+    proc = run_cli("validate", "--ckpt_path", str(tmp_path / "reference" / "checkpoints" / "last.ckpt"),
+                   "--data.root", str(csv_root), "--data.num_workers", "0", "--trainer.accelerator", "cpu",
+                   "--trainer.default_root_dir", str(tmp_path / "validate"))
+    assert "data.class_path=datamodules.CsvDataModule" in proc.stdout + proc.stderr and "val/acc" in proc.stdout
+    resolved = yaml.safe_load((tmp_path / "validate" / "validate_config.yaml").read_text())["data"]
+    assert resolved["class_path"] == "datamodules.CsvDataModule"
 
 
 def test_hugging_face_fit_killed_mid_epoch_resumes_to_identical_weights(tmp_path, hf_root):

@@ -128,8 +128,9 @@ def test_eval_resize_size_sets_the_short_side_before_the_center_crop():
         resized = tf.transforms.transforms[1](tf.transforms.transforms[0](image))
         assert min(resized.shape[-2:]) == expected
         assert tf(image).shape == (3, 224, 224)
-    with pytest.raises(ValueError, match="data.eval_resize_size=200 is below the crop, data.eval_image_size=224"):
-        ImageFolderDataModule(root=None, eval_image_size=224, eval_resize_size=200)
+    with pytest.raises(ValueError, match="data.eval_transform.resize_size=200 is below the crop, "
+                                         "data.eval_transform.image_size=224"):
+        ImageFolderDataModule(root=None, eval_transform=ClassificationPresetEval(image_size=224, resize_size=200))
 
 
 def test_imagenet_eval_normalises_with_imagenet_stats():

@@ -68,7 +68,9 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
     if recipe:  # the loader's random augmentation too: crops and flips, TrivialAugment, erasing
-        cfg["data"].update(preset="imagenet", auto_augment="trivialaugment", random_erasing=0.25,
+        cfg["data"].update(preset="imagenet", train_transform={
+            "class_path": "datamodules.presets.ClassificationPresetTrain",
+            "init_args": {"auto_augment": "trivialaugment", "random_erasing": 0.25}},
                            **({"sampler": "balanced"} if devices == 1 else {"repeated_augmentation": 2}))
     assert cfg["auto_resume"] is True  # shipped on
     path = tmp_path / f"config{devices}{'_recipe' if recipe else ''}{'_background' if background_writes else ''}.yaml"

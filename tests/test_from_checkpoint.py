@@ -134,7 +134,9 @@ def test_an_explicit_image_size_other_than_trainings_warns_and_is_obeyed(run, da
     warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "data.image_size=48 is set" in line]
     assert len(warned) == 1 and "the model was trained with 32" in warned[0] and "validate uses 48" in warned[0]
     resolved = yaml.safe_load((tmp_path / "validate_config.yaml").read_text())["data"]["init_args"]
-    assert (resolved["image_size"], resolved["eval_image_size"], resolved["preset"]) == (48, None, "none")
+    # The short form decides the checkpoint's eval preset's side; its preset (none) is the checkpoint's.
+    assert (resolved["image_size"], resolved["preset"]) == (48, "none")
+    assert resolved["eval_transform"]["init_args"]["image_size"] is None
 
 
 def test_without_ckpt_path_the_runs_best_checkpoint_is_evaluated_or_the_command_refuses(run, data, tmp_path):

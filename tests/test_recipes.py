@@ -11,13 +11,15 @@ from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
 RECIPES = {  # recipe -> keys it must set in the resolved config, and whether it carries an EMA
     "torchvision_v2": ({"model.mixup_alpha": 0.2, "model.cutmix_alpha": 1.0,
                         "model.loss.init_args.label_smoothing": 0.1,
-                        "data.auto_augment": "trivialaugment", "data.random_erasing": 0.1,
+                        "data.train_transform.init_args.auto_augment": "trivialaugment",
+                        "data.train_transform.init_args.random_erasing": 0.1,
                         "data.repeated_augmentation": 4, "model.optimizer.init_args.lr": 0.125,
                         "model.optimizer.init_args.nesterov": False}, True),
     "rsb_a3": ({"model.optimizer.class_path": "timm.optim.Lamb",
                 "model.loss.class_path": "lightning_modules.losses.BinaryCrossEntropy",
                 "model.loss.init_args.target_threshold": 0.2, "model.mixup_alpha": 0.1,
-                "data.auto_augment": "randaugment", "data.auto_augment_magnitude": 6,
+                "data.train_transform.init_args.auto_augment": "randaugment",
+                "data.train_transform.init_args.auto_augment_magnitude": 6,
                 "model.optimizer.init_args.lr": 0.001, "model.optimizer.init_args.weight_decay": 0.02,
                 "model.lr_scheduler.init_args.warmup_epochs": 5.0}, False),
 }
@@ -35,12 +37,13 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
     # Shrunk as every test shrinks a shipped config: small images and batches, two epochs of two steps.
     run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"),
             "--config", str(CONFIGS / "recipes" / f"{recipe}.yaml"),
-            *TINY, "--data.root", str(images), "--data.batch_size", "4", "--data.train_image_size", "32",
-            "--data.eval_image_size", "40", "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2",
+            *TINY, "--data.root", str(images), "--data.batch_size", "4", "--data.train_transform.image_size",
+            "32", "--data.eval_transform.image_size", "40", "--trainer.max_epochs", "2",
+            "--trainer.limit_train_batches", "2",
             "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run),
             # and the image side grown from 32 to 40 px in the second epoch
-            "--data.train_image_size", "40", "--data.progressive_resizing", "{0: 32, 1: 40}", env=cli_env())
+            "--data.train_transform.image_size", "40", "--data.progressive_resizing", "{0: 32, 1: 40}", env=cli_env())
     config = yaml.safe_load((run / "config.yaml").read_text())
     for key, value in expected.items():
         section, _, rest = key.partition(".")

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmetrics.functional.classification import multiclass_f1_score
 
-from datamodules import ImageFolderDataModule
+from datamodules import ClassificationPresetTrain, ImageFolderDataModule
 from datamodules.samplers import BalancedSampler, RepeatedAugmentationSampler
 from tests.helpers import make_image_folder
 
@@ -145,7 +145,8 @@ def test_a_resumed_loader_augments_the_rest_of_the_epoch_exactly(tmp_path, worke
     starts afresh (and which other draws had advanced in the main process)."""
     root = make_image_folder(tmp_path / "images", {"a": 12, "b": 12}, size=48)
     data = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=workers, image_size=32,
-                                 preset="imagenet", auto_augment="trivialaugment", random_erasing=0.5,
+                                 preset="imagenet", train_transform=ClassificationPresetTrain(
+                                     auto_augment="trivialaugment", random_erasing=0.5),
                                  repeated_augmentation=2, scan_cache=False, persistent_workers=False)
     data.setup("fit")
 

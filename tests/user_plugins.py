@@ -1,5 +1,6 @@
 """A researcher's own parts, outside the packages, plugged in by `class_path` alone: a loss, a schedule
-(tests/test_seams.py) and a data source (tests/test_data_sources.py), as docs/EXTENDING.md shows them."""
+(tests/test_seams.py), a data source (tests/test_data_sources.py) and transforms (tests/test_transforms.py), as
+docs/EXTENDING.md shows them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
+from torchvision.transforms.v2 import functional as TF
 
 from datamodules import ClassificationData
 
@@ -30,6 +32,31 @@ class LinearDecay(torch.optim.lr_scheduler.LambdaLR):
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> None:
         super().__init__(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+
+class ChannelJitter(nn.Module):
+    """Shifts each colour channel of a uint8 (3, H, W) image by a random offset in [-strength, strength] (torch's
+    generator), clamped to [0, 255]: a training step inside a torchvision v2 Compose."""
+
+    def __init__(self, strength: int = 20) -> None:
+        super().__init__()
+        self.strength = strength
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        offset = torch.randint(-self.strength, self.strength + 1, (3, 1, 1))
+        return (image.to(torch.int16) + offset).clamp(0, 255).to(torch.uint8)
+
+
+class SquareResize(nn.Module):
+    """An evaluation transform: the whole image resized to `size` x `size` (uint8 out). It states what export and
+    serving need: image_size, and the mean and std of the float stage that follows."""
+
+    def __init__(self, size: int = 32, mean: float = 0.5, std: float = 0.25) -> None:
+        super().__init__()
+        self.image_size, self.mean, self.std = size, [mean] * 3, [std] * 3
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return TF.resize(image, [self.image_size, self.image_size], antialias=True)
+
 
 class Flipped(Dataset):
     """(image, target) pairs of a TensorDataset, each image flipped left-right at random (torch's generator)."""

@@ -57,6 +57,7 @@ from training.from_checkpoint import (
     check_same_data,
     check_unfinished,
     evaluation_data,
+    explicit_class,
     explicit_keys,
     set_by_user,
 )
@@ -129,6 +130,13 @@ MOVED_KEYS = {
     "model.weight_decay": "model.optimizer.weight_decay (an argument of the optimizer)",
     "model.warmup_epochs": "model.lr_scheduler.warmup_epochs, with --model.lr_scheduler "
                            "lightning_modules.schedules.WarmupCosine",
+    **{f"data.{key}": f"data.train_transform.{new} (an argument of the training transform, "
+                      "datamodules.presets.ClassificationPresetTrain)"
+       for key, new in (("train_image_size", "image_size"), ("auto_augment", "auto_augment"),
+                        ("auto_augment_magnitude", "auto_augment_magnitude"), ("random_erasing", "random_erasing"))},
+    **{f"data.{key}": f"data.eval_transform.{new} (an argument of the evaluation transform, "
+                      "datamodules.presets.ClassificationPresetEval)"
+       for key, new in (("eval_image_size", "image_size"), ("eval_resize_size", "resize_size"))},
     "data.format": "data.class_path: the data source is a class (LitData shards: --data.class_path "
                    "datamodules.ShardsDataModule; the image folder, datamodules.ImageFolderDataModule, is the "
                    "default: drop data.format folder)",
@@ -174,9 +182,6 @@ def unknown_keys_message(message: str, parser) -> str:
     return "; ".join(hints) or message
 
 
-# The keys a data source no longer takes, and where they went.
-
-
 def one_line_error(message: str) -> str:
     """Any of jsonargparse's parse errors as one line: a moved key or value names its new place, a misspelt class
     its closest ones, a value given to a class chosen by class_path its full key, a value out of range its rule."""
@@ -209,6 +214,8 @@ def subclass_error_message(message: str) -> str:
         close = difflib.get_close_matches(unknown[1], _init_keys(class_path), n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(f'--{section}.{c}' for c in close)}?" if close else ""
         return f"--{key} is not an option{hint} ({section}.class_path: {class_path})"
+    if re.match(r"--[\w.]+ is not an option", inner):  # a nested class's key (data.train_transform), worded
+        return re.sub(r"\((?=[\w.]+\.class_path:)", f"({section}.", re.sub(r"--(?=\w)", f"--{section}.", inner))
     if re.match(r"[\w.]+=", inner):  # a value out of range, already worded by plain_parser_error
         return f"{section}.{inner}"
     nested = re.match(r'Parser key "([\w.]+)": (.*)', inner)
@@ -284,6 +291,15 @@ class ImgclsCLI(LightningCLI):
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         if hparams:  # the checkpoint's hyperparameters over the config's, as LightningCLI merges them
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        if subcommand != "fit":  # the run's data class and evaluation transform, unless the user set them
+            explicit = self.explicit_of(subcommand)
+            data = self.config[subcommand].data
+            # The parse without defaults still names the default class: only another one counts as the user's.
+            named = explicit_class(explicit, "data")
+            update = evaluation_data(data_args(self.config[subcommand]), explicit_keys(explicit, "data"), saved,
+                                     subcommand, data.class_path, None if _is_default_data(named) else named)
+            if update:
+                self.config = self.parser.parse_object({subcommand: {"data": update}}, self.config)
 
     def _checkpoint_to_evaluate(self, subcommand: str, config) -> str | None:
         """validate, test or predict without --ckpt_path: the run directory's best checkpoint, else the pretrained
@@ -327,12 +343,11 @@ class ImgclsCLI(LightningCLI):
         if config.trainer.get("enable_progress_bar") is False and config.trainer.callbacks:
             # The shipped configs list a RichProgressBar, which Lightning refuses next to enable_progress_bar=false.
             config.trainer.callbacks = [c for c in config.trainer.callbacks if not c.class_path.endswith("ProgressBar")]
-        if self.saved_run is not None and self.subcommand != "fit":
+        if self.saved_run is not None and self.subcommand == "predict":
             explicit = explicit_keys(self.explicit_of(self.subcommand), "data")
             data = data_args(config)
-            if self.subcommand == "predict" and "root" in data and not set_by_user("root", explicit):
+            if "root" in data and not set_by_user("root", explicit):
                 data.root = None  # the classes come from the checkpoint: no data folder needed
-            evaluation_data(data, explicit, self.saved_run, self.subcommand)
 
     def before_fit(self) -> None:
         check_monitored(self.trainer, self.model, self.datamodule)
@@ -419,6 +434,17 @@ class _DataInstantiator(_InstantiatorFn):
                                          f"{root} is {kinds[datamodule.multilabel]}")
         datamodule.class_names, datamodule.multilabel = saved.class_names, multilabel
         return datamodule
+
+
+def _is_default_data(class_path: str | None) -> bool:
+    """Whether `class_path` names the default data class (by any of its import paths), or none."""
+    if not class_path:
+        return True
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name) is ImageFolderDataModule
+    except (ImportError, AttributeError):
+        return False
 
 
 def data_args(config) -> Namespace:

@@ -16,8 +16,10 @@ import sys
 from pathlib import Path
 
 import torch
+from torchvision.transforms import v2
 
-from datamodules.presets import eval_preset, input_contract
+from datamodules.presets import eval_preset, float_stage, input_contract
+from datamodules.transforms import CONTRACT_VALUES, build_transform, eval_transform_config, name_of
 from lightning_modules import ImageClassifier
 from training.checkpointing import UnsafeCheckpointError
 from training.from_checkpoint import SavedRun
@@ -43,8 +45,20 @@ def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
 
 
 def preprocessing(contract: dict) -> dict:
-    """What a server must do to an RGB image before the model: the model's input contract, step by step."""
-    steps = eval_preset(contract).transforms.transforms
+    """What a server must do to an RGB image before the model: the model's input contract, step by step. A user's
+    evaluation transform that states no image_size, mean or std is refused in one line: a server cannot guess them."""
+    missing = [key for key in CONTRACT_VALUES if contract.get(key) is None]
+    if missing:
+        raise ValueError(f"the model's evaluation transform, {name_of(contract.get('transform'))}, states no "
+                         f"{', '.join(missing)}: export writes them for the server; give the transform those "
+                         "attributes (docs/EXTENDING.md, Transforms)")
+    if contract.get("preset") is not None:  # a shipped preset: its steps, the float stage included
+        steps = eval_preset(contract).transforms.transforms
+    else:
+        config = eval_transform_config(contract)
+        transform = build_transform(config) if config is not None else None
+        steps = [*(transform.transforms if isinstance(transform, v2.Compose) else [transform or "unknown"]),
+                 *float_stage(contract["mean"], contract["std"]).transforms]
     return {
         "input": "RGB image (decode grayscale/RGBA/16-bit to 8-bit RGB first)",
         **contract,

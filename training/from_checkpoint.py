@@ -29,8 +29,7 @@ from training.checkpointing import UnsafeCheckpointError, checkpoint_problem, ne
 
 log = logging.getLogger(__name__)
 
-# The data keys that make the model's input contract, and those of the held-out validation split.
-CONTRACT_KEYS = ("preset", "image_size", "eval_image_size", "eval_resize_size")
+# The data keys of the held-out validation split.
 SPLIT_KEYS = ("val_split", "split_seed")
 # Model keys a resume may change: the speed levers (how the same run computes) and what the data links in.
 RESUME_MAY_CHANGE = frozenset({"channels_last", "compile", "optimizer_impl", "threshold",
@@ -133,38 +132,66 @@ def set_by_user(key: str, explicit: set[str] | None) -> bool:
     return explicit is None or key in explicit
 
 
-def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: str) -> None:
-    """Gives the data config of `validate|test|predict` the checkpoint's preprocessing (and, on the run's own data
-    root without a val/ folder, its held-out validation split), except the keys the user set, which are obeyed: one
-    warning line each where they differ from training, and one line listing what was taken."""
+def explicit_class(explicit, section: str) -> str | None:
+    """The class_path of `section` that a config file or the command line named; None when none did (or unknown)."""
+    part = explicit.get(section) if explicit is not None and hasattr(explicit, "get") else None
+    return part.get("class_path") if part is not None and hasattr(part, "get") else None
+
+
+def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: str, data_class: str,
+                    named_class: str | None) -> dict:
+    """What `validate|test|predict` of a checkpoint take from it: the run's data class (unless one is named), its
+    evaluation transform (`datamodules.transforms.eval_transform_config`), and on the run's own data root without a
+    val/ folder its held-out validation split. The keys the user set are obeyed: one warning line each where they
+    differ from training, and one line lists what was taken. Returns the data config's update: class_path and
+    init_args. `data_class` is the config's data class, `named_class` the one the user named (None: none)."""
+    from datamodules.transforms import PRESET_EVAL, eval_transform_config, name_of, resolved_eval_config
+
+    update, init, taken = {}, {}, {}
+    trained_class = saved.data.get("_class_path")
+    if trained_class and trained_class != data_class and named_class is None and explicit is not None:
+        update["class_path"] = taken["data.class_path"] = trained_class
     contract = saved.input_contract
-    if contract is None:
-        return
-    side_key = next((k for k in ("eval_image_size", "image_size") if set_by_user(k, explicit) and data.get(k)), None)
-    trained = {"preset": contract["preset"], "eval_image_size": contract["image_size"],
-               "eval_resize_size": contract.get("resize_size") if contract["preset"] == "imagenet" else None}
-    asked = {"preset": data.get("preset") if set_by_user("preset", explicit) else None,
-             "eval_image_size": data[side_key] if side_key else None,
-             "eval_resize_size": data.get("eval_resize_size") if set_by_user("eval_resize_size", explicit) else None}
-    taken = {}
-    for key, value in trained.items():
-        if asked[key] is None:
-            taken[key] = value
-        elif asked[key] != value and value is not None:
-            shown = side_key if key == "eval_image_size" else key
-            warn_line(f"data.{shown}={asked[key]} is set, and the model was trained with {value} ({saved.path}): "
-                      f"{command} uses {asked[key]}")
-    if taken.get("eval_image_size") and not set_by_user("image_size", explicit) and "image_size" in saved.data:
-        taken["image_size"] = saved.data["image_size"]
+    trained = eval_transform_config(contract) if contract is not None else None
+    if trained is not None and set_by_user("eval_transform", explicit):
+        asked = data.get("eval_transform")
+        asked = asked.as_dict() if hasattr(asked, "as_dict") else asked
+        asked = resolved_eval_config(asked, data.get("preset"), data.get("image_size"))
+        if asked != trained:
+            warn_line(f"data.eval_transform={name_of(asked)} is set, and the model was trained with "
+                      f"{name_of(trained)} ({saved.path}): {command} uses the one set")
+    elif trained is not None and trained["class_path"] == PRESET_EVAL:
+        # The shipped preset through its short forms, data.preset and data.image_size, which the user may set.
+        values = dict(trained["init_args"])
+        for key in ("preset", "image_size"):
+            if not set_by_user(key, explicit):
+                init[key] = taken[f"data.{key}"] = values[key]
+            elif data.get(key) != values[key]:
+                warn_line(f"data.{key}={data.get(key)} is set, and the model was trained with {values[key]} "
+                          f"({saved.path}): {command} uses {data.get(key)}")
+                if key == "image_size":
+                    values["resize_size"] = None  # the usual crop ratio of the side asked for
+        resize = values.get("resize_size")
+        init["eval_transform"] = {"class_path": PRESET_EVAL, "init_args": {"preset": None, "image_size": None,
+                                                                          "resize_size": resize}}
+        if resize is not None:
+            taken["data.eval_transform.resize_size"] = resize
+    elif trained is not None:
+        init["eval_transform"] = trained
+        taken["data.eval_transform"] = name_of(trained)
     root = data.get("root")
     if root and saved.data.get("root") and _same_path(root, saved.data["root"]) and not (Path(root) / "val").is_dir():
-        taken |= {k: saved.data[k] for k in SPLIT_KEYS if k in saved.data and not set_by_user(k, explicit)}
-    taken = {k: v for k, v in taken.items() if k in data and data.get(k) != v}  # keys this data source takes
-    for key, value in taken.items():
-        data[key] = value
-    if taken:
-        shown = ", ".join(f"data.{k}={v}" for k, v in taken.items())
+        init |= {k: saved.data[k] for k in SPLIT_KEYS if k in saved.data and not set_by_user(k, explicit)}
+        taken |= {f"data.{k}": v for k, v in init.items() if k in SPLIT_KEYS}
+    if "class_path" not in update:
+        init = {k: v for k, v in init.items() if k in data}  # keys this data class takes
+        taken = {k: v for k, v in taken.items() if k.split(".")[1] in init}
+    if init:
+        update["init_args"] = init
+    if update:
+        shown = ", ".join(f"{k}={v}" for k, v in taken.items())
         rank_zero_info(f"{command}: as the model was trained ({saved.path}): {shown}")
+    return update
 
 
 @rank_zero_only
