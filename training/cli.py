@@ -4,11 +4,11 @@
     imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
 
 What the CLI adds that no config file shows (`--print_config` does not list these):
-- the fault guards on every run, after the configured callbacks: `training.faults.ExactResume`, `Preemption` and
+- the fault guards on every run, after the configured callbacks: `training.callbacks.ExactResume`, `Preemption` and
   `NonFiniteLossGuard` (docs/FAULT_TOLERANCE.md);
 - `training.checkpointing.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a CheckpointIO;
 - `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;
-- `training.run_dir.RunConfig`, which saves the resolved config into the run directory;
+- `training.callbacks.RunConfig`, which saves the resolved config into the run directory;
 - every WandbLogger built as `training.wandb_runs.SecretSafeWandbLogger`;
 - the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
   `auto_resume`.
@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from training.callbacks import PredictionWriter
+from training.callbacks import PredictionWriter, RunConfig
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
 from training.errors import exit_code
 from training.faults import fault_callbacks
@@ -61,7 +61,7 @@ from training.from_checkpoint import (
     set_by_user,
 )
 from training.preflight import check_monitored
-from training.run_dir import RunConfig, checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
+from training.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
 from training.strategy import destroy_process_groups
 from training.trainer import Trainer
 from training.wandb_runs import WandbInstantiator, wandb_online
