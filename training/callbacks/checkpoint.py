@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from lightning.pytorch import callbacks as lightning_callbacks
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
@@ -23,9 +25,15 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
         self._save_last_if_missed(trainer, on_epoch_end=False)
 
     def _save_last_if_missed(self, trainer, *, on_epoch_end: bool) -> None:
-        if (self.save_last is True and not self._should_skip_saving_checkpoint(trainer)
+        if (self.save_last is True and not self.skips(trainer)
                 and self._should_save_on_train_epoch_end(trainer) == on_epoch_end):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._save_last_checkpoint(trainer, monitor_candidates(trainer))
+
+    def skips(self, trainer) -> bool:
+        """Whether this callback saves nothing now: not fitting, a sanity check or fast_dev_run, or saved at this
+        step already."""
+        return (bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+                or self._last_global_step_saved == trainer.global_step)
 
     def _save_last_checkpoint(self, trainer, monitor_candidates: dict) -> None:
         io = trainer.strategy.checkpoint_io
@@ -40,5 +48,21 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
         if trainer.is_global_zero:
             io.link_checkpoint(self._last_checkpoint_saved, path)
         trainer.strategy.barrier()
-        if previous and self._should_remove_checkpoint(trainer, previous, path):
-            self._remove_checkpoint(trainer, previous)
+        if previous and previous != path and self.owns(trainer, previous):
+            trainer.strategy.remove_checkpoint(previous)
+
+    def owns(self, trainer, path: str) -> bool:
+        """Whether `path` is a file of this callback's folder that it may replace: not the one the fit resumed from."""
+        path = Path(path).absolute()
+        if trainer.ckpt_path is not None and path == Path(trainer.ckpt_path).absolute():
+            return False
+        return Path(self.dirpath).absolute() in path.parents
+
+
+def monitor_candidates(trainer) -> dict[str, torch.Tensor]:
+    """The values a checkpoint's file name may hold: the logged metrics, `epoch` and `step` (as ints)."""
+    metrics = dict(trainer.callback_metrics)
+    for key, value in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+        logged = metrics.get(key)
+        metrics[key] = logged.int() if isinstance(logged, torch.Tensor) else torch.tensor(value)
+    return metrics
