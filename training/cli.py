@@ -307,6 +307,12 @@ class ImgclsCLI(LightningCLI):
         return self.explicit.get(subcommand) if self.explicit is not None else None
 
     def before_instantiate_classes(self) -> None:
+        # The model and data instantiators replace the two Lightning has added (the same keys); W&B's is ours alone.
+        self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
+                                    subclasses=self.subclass_mode_model)
+        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ClassificationData,
+                                    subclasses=self.subclass_mode_data)
+        self.parser.add_instantiator(WandbInstantiator(self), WandbLogger)
         config = self.config[self.subcommand]
         folder = run_dir(config)
         config.trainer.default_root_dir = str(folder)
@@ -336,14 +342,6 @@ class ImgclsCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_monitored(self.trainer, self.model, self.datamodule)
-
-    def _add_instantiators(self) -> None:
-        super()._add_instantiators()  # the model and data instantiators below replace the two Lightning adds
-        self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
-                                    subclasses=self.subclass_mode_model)
-        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ClassificationData,
-                                    subclasses=self.subclass_mode_data)
-        self.parser.add_instantiator(WandbInstantiator(self), WandbLogger)
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own

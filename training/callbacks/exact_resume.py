@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
 from core.seeding import batch_seed
 from training.faults import PREEMPTED, set_sampler_epoch
@@ -68,7 +68,7 @@ class ExactResume(Callback):
         # holds the gradients accumulated so far; without them the resumed step would sum fewer micro-batches. Under
         # DDP each rank's are its own until the step's all-reduce, which averages: their average, restored on every
         # rank, gives that same average. Every rank calls this hook (the all-reduce is collective); rank 0 writes.
-        if trainer.state.fn != TrainerFn.FITTING or not trainer.fit_loop.epoch_loop._should_accumulate():
+        if trainer.state.fn != TrainerFn.FITTING or not inside_accumulation_window(trainer):
             return
         grads = {name: p.grad.detach().clone() for name, p in pl_module.named_parameters() if p.grad is not None}
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -96,20 +96,25 @@ class ExactResume(Callback):
             for name, grad in self._grads.items():  # the window resumes where it stopped: Lightning zeroes none
                 params[name].grad = grad.to(params[name].device, params[name].dtype)
             self._grads = None
-        if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
+        loaders = train_loaders(trainer)
+        if not states or loaders is None or fit_loop._data_fetcher is None:
             return
-        fit_loop._combined_loader._load_state_dicts(states)
+        stateful = [loader for loader in loaders if all(hasattr(loader, m) for m in ("state_dict", "load_state_dict"))]
+        if len(stateful) != len(states):
+            raise RuntimeError(f"the checkpoint holds the positions of {len(states)} training loader(s), the fit has "
+                               f"{len(stateful)}: resume with the data configuration it was saved with")
+        for loader, state in zip(stateful, states, strict=True):
+            loader.load_state_dict(state)
         fit_loop._combined_loader_states_to_load = []
-        for loader in fit_loop._combined_loader.flattened:  # a DistributedSampler's order depends on the epoch
+        for loader in loaders:  # a DistributedSampler's order depends on the epoch
             set_sampler_epoch(loader, trainer.current_epoch)
         if fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved after an epoch's last batch: the restored iterator is spent. Running it out uses the restored
             # position up; the fresh iterator below starts the next epoch (the sampler's order is a function of the
             # epoch, so it makes no difference whether Lightning continues with it or makes its own).
-            for loader in fit_loop._combined_loader.flattened:
-                if hasattr(loader, "load_state_dict"):
-                    for _ in loader:
-                        pass
+            for loader in stateful:
+                for _ in loader:
+                    pass
         iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
 
     def _restart_epoch_on_new_shards(self, trainer: Trainer, saved_world_size: int) -> None:
@@ -149,9 +154,8 @@ class ExactResume(Callback):
         # Lightning sets each sampler's epoch to its count of processed epochs, which a resume under max_steps from a
         # checkpoint of an epoch's end counts twice (it replays that epoch's end): the next epoch would take the order
         # of the one after it. The epoch that starts is `current_epoch`; the loader's iterator is made after this hook.
-        if trainer.fit_loop._combined_loader is not None:
-            for loader in trainer.fit_loop._combined_loader.flattened:
-                set_sampler_epoch(loader, trainer.current_epoch)
+        for loader in train_loaders(trainer) or []:
+            set_sampler_epoch(loader, trainer.current_epoch)
         self._epoch_samples = 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
@@ -195,3 +199,20 @@ class ExactResume(Callback):
             callback, previous = self._deferred.pop(0)
             callback._last_global_step_saved = previous
             callback.on_train_batch_end(trainer, pl_module, *self._deferred_args)
+
+
+def train_loaders(trainer: Trainer) -> list | None:
+    """The fit's training loaders, flattened as Lightning combines them; None before they are built."""
+    loaders = trainer.train_dataloader
+    return None if loaders is None else CombinedLoader(loaders).flattened
+
+
+def inside_accumulation_window(trainer: Trainer) -> bool:
+    """Whether the batch just run leaves its gradients for a later optimizer step (as Lightning's training epoch loop
+    decides): its count is not a multiple of accumulate_grad_batches, and it is not the epoch's last batch, on which
+    Lightning steps unless the strategy accumulates itself."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.current.ready % trainer.accumulate_grad_batches == 0:
+        return False
+    last = progress.current.ready == trainer.num_training_batches or progress.is_last_batch
+    return trainer.strategy.handles_gradient_accumulation or not last

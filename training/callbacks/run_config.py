@@ -26,10 +26,11 @@ class RunConfig(SaveConfigCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Lightning logs the model's and the DataModule's hyperparameters to every logger and stores them in each
         # checkpoint: a password in any string value would leak there too, so those copies are masked as well.
-        for obj in (pl_module, trainer.datamodule):
-            for name in ("_hparams", "_hparams_initial"):
-                if isinstance(getattr(obj, name, None), dict):
-                    setattr(obj, name, type(getattr(obj, name))(redact_values(getattr(obj, name))))
+        for obj in (o for o in (pl_module, trainer.datamodule) if o is not None):
+            obj.hparams.update(redact_values(dict(obj.hparams)))  # in place: what checkpoints store
+            initial = getattr(obj, "_hparams_initial", None)  # what loggers get; `hparams_initial` hands out a copy
+            if isinstance(initial, dict):
+                initial.update(redact_values(dict(initial)))
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
