@@ -112,7 +112,7 @@ class Probe(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         # Before the strategy's teardown (on_fit_end comes after it), which drops post-local SGD's model averager.
-        averager = getattr(trainer.strategy, "_model_averager", None)
+        averager = getattr(trainer.strategy, "model_averager", None)
         self.record["model_averaging_period"] = getattr(averager, "period", None)
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -120,6 +120,6 @@ class Probe(Callback):
         strategy = trainer.strategy
         state = getattr(strategy, "powersgd_state", None)
         if state is not None:
-            self.record["powersgd"] = strategy._ddp_comm_hook.state_dict(state)
+            self.record["powersgd"] = strategy.comm_hook.state_dict(state)
         torch.save(self.record, self.out / f"rank{trainer.global_rank}.pt")
 

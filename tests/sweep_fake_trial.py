@@ -20,17 +20,15 @@ from pathlib import Path
 import optuna
 import yaml
 
-from training.sweep_file import make_pruner
-from training.sweep_trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage
+from training.sweep_trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_trial
 
 
 def main(argv: list[str]) -> None:
     options = dict(arg.removeprefix("--").split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
     run_dir, lr = Path(options["trainer.default_root_dir"]), float(options["model.optimizer.lr"])
     spec = json.loads(os.environ[TRIAL_ENV_VAR])
-    study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
-                              pruner=make_pruner(spec["hyperband"]))
-    trial = optuna.trial.Trial(study, spec["trial_id"])
+    trial, trial_id = open_trial(spec)
+    study = trial.study
     prune = str(trial.number) in os.environ.get("FAKE_TRIAL_PRUNE", "").split(",")
     meet = int(os.environ.get("FAKE_TRIAL_MEET", 0))  # trials numbered below it wait (60 s at most) until that many run
     deadline = time.monotonic() + 60
@@ -38,13 +36,13 @@ def main(argv: list[str]) -> None:
             t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False)) < meet:
         time.sleep(0.1)
     for key, value in ((INTERMEDIATE_KEY, {}), (PRUNED_KEY, False)):
-        trial.storage.set_trial_system_attr(trial._trial_id, key, value)
+        trial.storage.set_trial_system_attr(trial_id, key, value)
     for epoch in range(2):
         time.sleep(0.5)
         trial.report(lr * (epoch + 1), step=epoch)
         if prune:
-            trial.storage.set_trial_system_attr(trial._trial_id, PRUNED_KEY, True)
-            trial.storage.set_trial_system_attr(trial._trial_id, EPOCH_KEY, epoch)
+            trial.storage.set_trial_system_attr(trial_id, PRUNED_KEY, True)
+            trial.storage.set_trial_system_attr(trial_id, EPOCH_KEY, epoch)
             break
     trial.set_user_attr("final_metrics", {spec["metric"]: lr * (epoch + 1), "val/loss": 1.0})
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"optimizer": {"init_args": {"lr": lr}}},

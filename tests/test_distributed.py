@@ -106,9 +106,9 @@ def test_post_local_sgd_averages_models(tmp_path, images, master_port):
                                      post_local_sgd_group_size=1)
     probe = _fit(images, tmp_path, strategy, 3)
     assert probe.record["comm_hook"] == "post_localSGD_hook"
-    assert probe.record["model_averaging_period"] == 2  # Lightning's averager, as training ended
+    assert probe.record["model_averaging_period"] == 2  # the strategy's averager, as training ended
     # Let go of at teardown: they hold process groups, which the end of a run destroys (destroy_process_groups).
-    assert probe.trainer.strategy._model_averager is None and probe.trainer.strategy._ddp_comm_state is None
+    assert probe.trainer.strategy.model_averager is None and probe.trainer.strategy.comm_state is None
 
 
 def test_allreduce_bytes_per_step_match_parameter_shapes(master_port):
@@ -232,7 +232,7 @@ def test_fsdp_config_builds_block_sharded_fsdp2_for_large_backbones():
     strategy = _strategy_from_yaml((CONFIGS / "fsdp.yaml").read_text())
     assert type(strategy) is FSDP2Strategy
     assert strategy.units == strategy.activation_checkpointing == (Bottleneck,)
-    assert strategy.reshard_after_forward and strategy.broadcast_buffers and strategy._save_distributed_checkpoint
+    assert strategy.reshard_after_forward and strategy.broadcast_buffers and strategy.save_distributed_checkpoint
 
 
 def test_powersgd_memories_survive_an_overflowed_step(master_port):

@@ -22,11 +22,11 @@ import yaml
 import training.checkpointing as checkpointing
 from lightning_modules.network import build_network
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
+from training.callbacks import ModelCheckpoint
 from training.checkpointing import (
     AsyncAtomicCheckpointIO,
     AtomicCheckpointIO,
     CheckpointWriteError,
-    ModelCheckpoint,
     NonFiniteWeightsError,
     UnsafeCheckpointError,
     resolve_resume,

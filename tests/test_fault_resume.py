@@ -298,7 +298,7 @@ def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tm
 
     from datamodules import ImageFolderDataModule
     from lightning_modules import ImageClassifier
-    from training.faults import ExactResume
+    from training.callbacks import ExactResume
 
     class Model(_SeedRecorder, ImageClassifier):
         seeds: list
@@ -339,7 +339,8 @@ def test_non_finite_loss_guard_checks_in_batches_and_always_before_a_save():
     a checkpoint save checks at once."""
     from types import SimpleNamespace
 
-    from training.faults import NonFiniteLossError, NonFiniteLossGuard
+    from training.callbacks import NonFiniteLossGuard
+    from training.faults import NonFiniteLossError
 
     trainer = SimpleNamespace(global_step=0, current_epoch=0, checkpoint_callbacks=[])
     guard = NonFiniteLossGuard(check_every_n_steps=4)
@@ -359,7 +360,7 @@ def test_non_finite_loss_guard_checks_in_batches_and_always_before_a_save():
 def test_fault_guards_never_synchronise_a_cuda_step_between_checks():
     from types import SimpleNamespace
 
-    from training.faults import NonFiniteLossGuard
+    from training.callbacks import NonFiniteLossGuard
 
     trainer = SimpleNamespace(global_step=0, current_epoch=0, checkpoint_callbacks=[])
     guard = NonFiniteLossGuard()

@@ -16,8 +16,8 @@ from datamodules import ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from lightning_modules.schedules import WarmupCosine
 from tests.helpers import free_port, join_ranks, make_image_folder
+from training.callbacks import ModelCheckpoint
 from training.checkpointing import (
-    ModelCheckpoint,
     NonFiniteWeightsError,
     checkpoint_problem,
     resolve_resume,

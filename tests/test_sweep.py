@@ -27,7 +27,7 @@ from training.cli import cli_main
 from training.sweep import main as sweep_main
 from training.sweep import print_table, remaining
 from training.sweep_file import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
-from training.sweep_trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, trial_callback
+from training.sweep_trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 LR, WD = "model.optimizer.lr", "model.optimizer.weight_decay"  # the swept keys: init_args of the optimizer
@@ -334,9 +334,9 @@ def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
     url = f"journal:///{tmp_path / 'sweep.journal'}"
     study = optuna.create_study(study_name="one", storage=open_storage(url), direction="maximize")
     trial = study.ask()
-    trial.storage.set_trial_system_attr(trial._trial_id, PRUNED_KEY, True)  # as copied from a pruned predecessor
-    monkeypatch.setenv(TRIAL_ENV_VAR, json.dumps({"storage": url, "study": "one", "trial_id": trial._trial_id,
-                                                  "metric": "val/acc", "hyperband": None}))
+    spec = {"storage": url, "study": "one", "trial_number": trial.number, "metric": "val/acc", "hyperband": None}
+    trial.storage.set_trial_system_attr(open_trial(spec)[1], PRUNED_KEY, True)  # as copied from a pruned predecessor
+    monkeypatch.setenv(TRIAL_ENV_VAR, json.dumps(spec))
     asked = []  # the pruner stops the trial at its second epoch
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: asked.append(self.number) or len(asked) == 2)
     callback = trial_callback()

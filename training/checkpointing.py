@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch import callbacks as lightning_callbacks
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 
 
 class CheckpointWriteError(OSError):
@@ -103,22 +103,30 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return safe_load(path, map_location=map_location)
 
 
-class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
-    """AtomicCheckpointIO on a background thread (Lightning's AsyncCheckpointIO): training does not wait for the disk.
+class AsyncAtomicCheckpointIO(CheckpointIO):
+    """AtomicCheckpointIO on a background thread: training does not wait for the disk.
 
-    Lightning snapshots the checkpoint's tensors on the training thread before it queues the write, so later steps
-    cannot change what is saved. Removals are queued behind the writes too, so ModelCheckpoint never deletes an older
-    checkpoint before the one that replaces it is on disk. Pending writes are finished when the Trainer tears down
-    (the end of fit, an exception, a preemption exit); an error in one is raised at the next save or at teardown.
-    Name `training.checkpointing.AtomicCheckpointIO` in `trainer.plugins` to write synchronously instead.
+    As Lightning's AsyncCheckpointIO does, the checkpoint's tensors are snapshotted on the training thread before the
+    write is queued, so later steps cannot change what is saved. Removals and links are queued behind the writes too,
+    so ModelCheckpoint never deletes an older checkpoint before the one that replaces it is on disk. Pending writes
+    are finished when the Trainer tears down (the end of fit, an exception, a preemption exit); an error in one is
+    raised at the next save or at teardown. Name `training.checkpointing.AtomicCheckpointIO` in `trainer.plugins` to
+    write synchronously instead.
     """
 
     def __init__(self) -> None:
-        super().__init__(AtomicCheckpointIO())
+        self.checkpoint_io = AtomicCheckpointIO()
+        self.executor: ThreadPoolExecutor | None = None  # made at the first write; teardown ends it
+        self.error: BaseException | None = None  # the first failed operation, raised on the training thread
 
-    def _ensure_setup(self) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, initializer=_lower_thread_priority)
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        snapshot = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
+        self._queue(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
+        if self.error is not None:
+            raise self.error
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        return self.checkpoint_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path) -> None:
         self._queue(self.checkpoint_io.remove_checkpoint, path)
@@ -126,53 +134,24 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
     def link_checkpoint(self, source, path) -> None:
         self._queue(self.checkpoint_io.link_checkpoint, source, path)  # behind the write of `source`
 
+    def teardown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
+        if self.error is not None:
+            raise self.error
+
     def _queue(self, operation: Callable, *args) -> None:
-        self._ensure_setup()
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, initializer=_lower_thread_priority)
 
         def run() -> None:
             try:
                 operation(*args)
-            except BaseException as err:  # reported like a failed write
-                self._error = err
+            except BaseException as err:  # noqa: BLE001 - raised on the training thread, at the next save or teardown
+                self.error = err
 
-        self._executor.submit(run)
-
-
-class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
-    """Lightning's ModelCheckpoint, whose `last.ckpt` is the state at the end of every validation, a hard link to the
-    best-k file of the same step when there is one (why Lightning's own last.ckpt is not enough: docs/DESIGN.md,
-    "last.ckpt"). Linking needs a CheckpointIO with `link_checkpoint` (this module's); else last.ckpt is written."""
-
-    # Lightning saves at the end of the training epoch when validation runs once per epoch (inside that epoch), else
-    # at the end of each validation; last.ckpt follows in the same hook when nothing was saved at this step yet.
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        self._save_last_if_missed(trainer, on_epoch_end=True)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        super().on_validation_end(trainer, pl_module)
-        self._save_last_if_missed(trainer, on_epoch_end=False)
-
-    def _save_last_if_missed(self, trainer, *, on_epoch_end: bool) -> None:
-        if (self.save_last is True and not self._should_skip_saving_checkpoint(trainer)
-                and self._should_save_on_train_epoch_end(trainer) == on_epoch_end):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def _save_last_checkpoint(self, trainer, monitor_candidates: dict) -> None:
-        io = trainer.strategy.checkpoint_io
-        fresh = self._last_checkpoint_saved and self._last_global_step_saved == trainer.global_step
-        # A sharded checkpoint (a folder, training.fsdp) is written by the strategy, not by the CheckpointIO: in full.
-        sharded = fresh and Path(self._last_checkpoint_saved).is_dir()
-        if self.save_last is not True or not fresh or sharded or not hasattr(io, "link_checkpoint"):
-            super()._save_last_checkpoint(trainer, monitor_candidates)
-            return
-        path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
-        previous, self.last_model_path = self.last_model_path, path
-        if trainer.is_global_zero:
-            io.link_checkpoint(self._last_checkpoint_saved, path)
-        trainer.strategy.barrier()
-        if previous and self._should_remove_checkpoint(trainer, previous, path):
-            self._remove_checkpoint(trainer, previous)
+        self.executor.submit(run)
 
 
 def _lower_thread_priority() -> None:
@@ -368,3 +347,9 @@ def tidy_checkpoint_folders(folders, unusable=()) -> None:
         if leftovers:
             rank_zero_info(f"removed {len(leftovers)} temporary file(s) ({size / 2**20:.0f} MiB) left in {folder} by "
                            "checkpoint writes that were interrupted")
+
+
+def __getattr__(name: str):
+    from training.faults import moved_callback
+
+    return moved_callback(__name__, name, ('ModelCheckpoint',))

@@ -4,11 +4,11 @@
     imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
 
 What the CLI adds that no config file shows (`--print_config` does not list these):
-- the fault guards on every run, after the configured callbacks: `training.faults.ExactResume`, `Preemption` and
+- the fault guards on every run, after the configured callbacks: `training.callbacks.ExactResume`, `Preemption` and
   `NonFiniteLossGuard` (docs/FAULT_TOLERANCE.md);
 - `training.checkpointing.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a CheckpointIO;
 - `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;
-- `training.run_dir.RunConfig`, which saves the resolved config into the run directory;
+- `training.callbacks.RunConfig`, which saves the resolved config into the run directory;
 - every WandbLogger built as `training.wandb_runs.SecretSafeWandbLogger`;
 - the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
   `auto_resume`.
@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
-from training.callbacks import PredictionWriter
+from training.callbacks import PredictionWriter, RunConfig
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
 from training.errors import exit_code
 from training.faults import fault_callbacks
@@ -62,7 +62,7 @@ from training.from_checkpoint import (
     set_by_user,
 )
 from training.preflight import check_monitored
-from training.run_dir import RunConfig, checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
+from training.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
 from training.strategy import destroy_process_groups
 from training.trainer import Trainer
 from training.wandb_runs import WandbInstantiator, wandb_online
@@ -323,6 +323,12 @@ class ImgclsCLI(LightningCLI):
         return self.explicit.get(subcommand) if self.explicit is not None else None
 
     def before_instantiate_classes(self) -> None:
+        # The model and data instantiators replace the two Lightning has added (the same keys); W&B's is ours alone.
+        self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
+                                    subclasses=self.subclass_mode_model)
+        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ClassificationData,
+                                    subclasses=self.subclass_mode_data)
+        self.parser.add_instantiator(WandbInstantiator(self), WandbLogger)
         config = self.config[self.subcommand]
         folder = run_dir(config)
         config.trainer.default_root_dir = str(folder)
@@ -351,14 +357,6 @@ class ImgclsCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_monitored(self.trainer, self.model, self.datamodule)
-
-    def _add_instantiators(self) -> None:
-        super()._add_instantiators()  # the model and data instantiators below replace the two Lightning adds
-        self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
-                                    subclasses=self.subclass_mode_model)
-        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ClassificationData,
-                                    subclasses=self.subclass_mode_data)
-        self.parser.add_instantiator(WandbInstantiator(self), WandbLogger)
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own

@@ -1,4 +1,5 @@
-"""Run-time fault guards added to every run: per-step seeding for exact resumes, preemption, non-finite losses."""
+"""What the fault guards share (their callbacks are in training.callbacks): the preemption checkpoint's name, a
+sampler's epoch, the run's checkpoints, and the one-line message for a lost peer."""
 
 from __future__ import annotations
 
@@ -6,14 +7,10 @@ import os
 import signal
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-
-from core.seeding import batch_seed
+from lightning.pytorch.utilities import rank_zero_only
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED = "preempted.ckpt"  # Preemption's checkpoint, in the run's checkpoint folder
@@ -21,307 +18,6 @@ PREEMPTED = "preempted.ckpt"  # Preemption's checkpoint, in the run's checkpoint
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
-
-
-class ExactResume(Callback):
-    """Makes a resumed run continue exactly like the uninterrupted one: same data position, same random numbers.
-
-    Data position: Lightning restores a StatefulDataLoader's position in `FitLoop.setup_data`, but only the first time
-    the train loader is built; `trainer.estimated_stepping_batches` (used by the model's LR schedule in
-    `configure_optimizers`) builds it earlier, before the checkpoint is restored, and the saved position is then
-    silently dropped and the epoch restarts from its first batch. The pending position is loaded here at
-    `on_train_start` and the loader's iterator re-created from it.
-
-    Random numbers: torch's global generator is seeded from (seed, training batch index, rank) before every training
-    batch (each micro-batch of an accumulated step has its own), so dropout, mixup and CutMix depend only on the
-    batch, not on how many random numbers were drawn since the process started. (Lightning does not checkpoint RNG
-    states, and restoring a saved state would still be off by whatever the loaders draw at an epoch boundary.) The
-    loader's augmentation does not draw from it: each training draw carries a seed of its own
-    (datamodules.samplers.SeededDraws).
-    """
-
-    def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
-        self._base = 0
-        self._deferred: list[tuple[ModelCheckpoint, int]] = []  # step saves held until the validation has ended
-        self._deferred_args: tuple = ()
-        self._world_size: int | None = None  # saved in checkpoints: a resume on another one cannot keep the position
-        self._saved: dict = {}  # what the checkpoint resumed from holds of this callback's state
-        self._grads: dict[str, torch.Tensor] | None = None  # the accumulated gradients it holds, if any
-        self._epoch_samples = 0  # samples the epoch in progress has drawn, over all ranks
-        self._trainer: Trainer | None = None
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # seed_everything exports its seed; without one the run is not reproducible anyway.
-        self._base = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self._trainer = trainer
-
-    def state_dict(self) -> dict:
-        state = {"world_size": self._world_size, "epoch_samples": self._epoch_samples}
-        if self._trainer is not None:
-            # The step each ModelCheckpoint last saved at (Lightning keeps it only in memory): a resumed callback must
-            # not save the step again that it has saved already. A save held back here counts with its own step.
-            held = {id(callback): previous for callback, previous in self._deferred}
-            state["last_saved_step"] = {
-                callback.state_key: held.get(id(callback), callback._last_global_step_saved)
-                for callback in self._trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)}
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._saved = state_dict
-
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        # A checkpoint inside an accumulation window (a validation or a timed save between two optimizer steps) also
-        # holds the gradients accumulated so far; without them the resumed step would sum fewer micro-batches. Under
-        # DDP each rank's are its own until the step's all-reduce, which averages: their average, restored on every
-        # rank, gives that same average. Every rank calls this hook (the all-reduce is collective); rank 0 writes.
-        if trainer.state.fn != TrainerFn.FITTING or not trainer.fit_loop.epoch_loop._should_accumulate():
-            return
-        grads = {name: p.grad.detach().clone() for name, p in pl_module.named_parameters() if p.grad is not None}
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            for grad in grads.values():
-                dist.all_reduce(grad)
-                grad.div_(trainer.world_size)
-        checkpoint["accumulated_grads"] = {name: grad.cpu() for name, grad in grads.items()}
-
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        self._grads = checkpoint.get("accumulated_grads")
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._world_size = trainer.world_size
-        if trainer.ckpt_path:
-            self._restore_checkpoint_steps(trainer)
-        fit_loop = trainer.fit_loop
-        states = fit_loop._combined_loader_states_to_load
-        saved_world_size = self._saved.get("world_size")
-        if states and saved_world_size not in (None, trainer.world_size):
-            self._restart_epoch_on_new_shards(trainer, saved_world_size)
-            return
-        self._epoch_samples = self._saved.get("epoch_samples", 0)
-        if self._grads:
-            params = dict(pl_module.named_parameters())
-            for name, grad in self._grads.items():  # the window resumes where it stopped: Lightning zeroes none
-                params[name].grad = grad.to(params[name].device, params[name].dtype)
-            self._grads = None
-        if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
-            return
-        fit_loop._combined_loader._load_state_dicts(states)
-        fit_loop._combined_loader_states_to_load = []
-        for loader in fit_loop._combined_loader.flattened:  # a DistributedSampler's order depends on the epoch
-            set_sampler_epoch(loader, trainer.current_epoch)
-        if fit_loop.epoch_loop.batch_progress.is_last_batch:
-            # Saved after an epoch's last batch: the restored iterator is spent. Running it out uses the restored
-            # position up; the fresh iterator below starts the next epoch (the sampler's order is a function of the
-            # epoch, so it makes no difference whether Lightning continues with it or makes its own).
-            for loader in fit_loop._combined_loader.flattened:
-                if hasattr(loader, "load_state_dict"):
-                    for _ in loader:
-                        pass
-        iter(fit_loop._data_fetcher)  # a fresh iterator (and prefetch) from the restored position
-
-    def _restart_epoch_on_new_shards(self, trainer: Trainer, saved_world_size: int) -> None:
-        """An elastic restart on another world size: each rank's shard of the epoch differs, so no saved loader
-        position maps onto the new ones. A checkpoint taken inside an epoch restarts that epoch from its first batch,
-        on the new shards: the samples it had drawn are drawn again (said in one line), none is skipped."""
-        fit_loop = trainer.fit_loop
-        fit_loop._combined_loader_states_to_load = []
-        progress = fit_loop.epoch_loop.batch_progress
-        repeated = self._saved.get("epoch_samples", 0)
-        if progress.is_last_batch or not repeated:
-            where, repeated = "at an epoch boundary: no sample is repeated", 0
-        else:
-            progress.current.reset()  # Lightning would end the epoch after its old count of batches: run it all
-            fit_loop.epoch_loop.reset_restart_stage()  # nor count the checkpoint's batch as done once more
-            self._grads = None  # an accumulation window of the old shards: it restarts with the epoch
-            where = (f"inside epoch {trainer.current_epoch}, which restarts from its first batch on the new shards: "
-                     f"the {repeated} samples it had drawn before the checkpoint are drawn again, none is skipped")
-        self._epoch_samples = 0
-        rank_zero_info(f"resuming on {trainer.world_size} processes, saved on {saved_world_size} {where}")
-
-    def _restore_checkpoint_steps(self, trainer: Trainer) -> None:
-        """Each ModelCheckpoint's last saved step as it was when the checkpoint resumed from was written; the callback
-        that wrote it had saved at its step too (it notes that just after the write)."""
-        saved = self._saved.get("last_saved_step", {})
-        path = Path(trainer.ckpt_path)
-        for callback in trainer.checkpoint_callbacks:
-            if not isinstance(callback, ModelCheckpoint):
-                continue
-            step = saved.get(callback.state_key, callback._last_global_step_saved)
-            if callback.dirpath and Path(callback.dirpath).resolve() == path.parent.resolve() \
-                    and path.name != PREEMPTED:  # Preemption's file: ModelCheckpoint had not saved at that step
-                step = trainer.global_step
-            callback._last_global_step_saved = step
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning sets each sampler's epoch to its count of processed epochs, which a resume under max_steps from a
-        # checkpoint of an epoch's end counts twice (it replays that epoch's end): the next epoch would take the order
-        # of the one after it. The epoch that starts is `current_epoch`; the loader's iterator is made after this hook.
-        if trainer.fit_loop._combined_loader is not None:
-            for loader in trainer.fit_loop._combined_loader.flattened:
-                set_sampler_epoch(loader, trainer.current_epoch)
-        self._epoch_samples = 0
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        # Per batch, not per optimizer step: under gradient accumulation each micro-batch draws its own dropout masks.
-        # Lightning has counted the batch in hand already.
-        counted = trainer.fit_loop.epoch_loop.batch_progress.total.ready
-        torch.manual_seed(batch_seed(counted - 1, trainer.global_rank, base=self._base))
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        # A run resumed from a checkpoint taken at the end of a batch that a validation follows skips that validation
-        # (Lightning fast-forwards its progress), so its metrics, best-k checkpoint and val/acc_best would differ from
-        # the uninterrupted run's. So an unmonitored ModelCheckpoint's step save (every_n_train_steps,
-        # train_time_interval) at such a batch is deferred until that validation has ended, when the checkpoint holds
-        # its results; epoch saves are untouched. (Callbacks run before every ModelCheckpoint, which skips a step it
-        # believes saved; monitored ones already defer to the validation themselves.)
-        self._epoch_samples += len(batch[0]) * trainer.world_size  # (x, y[, seeds]); every rank draws a full batch
-        self._flush_deferred(trainer, pl_module)
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
-            return
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.monitor is None \
-                    and callback._last_global_step_saved != trainer.global_step:
-                self._deferred.append((callback, callback._last_global_step_saved))
-                callback._last_global_step_saved = trainer.global_step  # its on_train_batch_end, next, skips
-        self._deferred_args = (outputs, batch, batch_idx)
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # The validation that followed the step has ended, at the same global step: every deferred step save is due
-        # now, also for a callback that saves its epoch files at the epoch's end (validations may run inside the
-        # epoch: a later flush would give the save the step of a later batch, where it is not due).
-        self._flush_deferred(trainer, pl_module)
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush_deferred(trainer, pl_module)  # just before ModelCheckpoint's own epoch-end saves
-
-    def _flush_deferred(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Give each deferred ModelCheckpoint its step save now (it decides itself whether the step is due). The others
-        stay listed while one saves: its checkpoint records their true last saved steps (`state_dict`)."""
-        while self._deferred:
-            callback, previous = self._deferred.pop(0)
-            callback._last_global_step_saved = previous
-            callback.on_train_batch_end(trainer, pl_module, *self._deferred_args)
-
-
-class Preemption(Callback):
-    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel`, Kubernetes eviction): checkpoint at a step end, then exit.
-
-    Lightning's own handler only raises at an epoch boundary on one device (and exits 0, without a checkpoint), and
-    its SLURM handler saves from inside the signal handler, mid-step. Here the handler only sets a flag; the save
-    happens at the end of a training step, where state is consistent, into the run's checkpoint folder as
-    `preempted.ckpt` (the newest checkpoint, so `--ckpt_path last` and `auto_resume` pick it up). The process then
-    exits with 128 + signal number, so a scheduler sees a failure and requeues.
-
-    All ranks agree, so they save and exit together even when only one of them got the signal: each step starts an
-    asynchronous all-reduce (MAX) of the flag on a CPU (gloo) process group, and the next step reads its result. The
-    GPU never waits for it (no device tensor, no `.item()` on one), and the network round trip overlaps a whole step;
-    the save comes one step later than the signal.
-    """
-
-    def __init__(self) -> None:
-        self._received: int = 0
-        self._previous: dict[int, object] = {}
-        self._group = None  # the CPU process group of the flag; None on one process
-        self._flag: torch.Tensor | None = None
-        self._work = None  # the all-reduce in flight
-
-    def _handler(self, signum, frame) -> None:
-        self._received = signum
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Installed after Lightning's signal connector, which it replaces for the duration of fit.
-        for sig in PREEMPT_SIGNALS:
-            self._previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._handler)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo")  # collective: every rank creates it here
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-        if self._work is not None:
-            self._work.wait()  # every rank started it; none leaves it dangling
-            self._work = None
-        if self._group is not None:
-            # Freed now with its worker threads, not at interpreter shutdown (training.strategy.destroy_process_groups);
-            # the next fit makes a new one.
-            if dist.is_initialized():  # else destroyed with all the others already
-                dist.destroy_process_group(self._group)
-            self._group = None
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        received = self._received
-        if self._group is not None:
-            received = 0
-            if self._work is not None:
-                self._work.wait()  # started a step ago: long done
-                received = int(self._flag.item())  # a CPU tensor: no device synchronisation
-            if not received:
-                self._flag = torch.tensor([self._received], dtype=torch.int64)
-                self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-                return
-            self._work = None
-        if not received:
-            return
-        path = checkpoint_dir(trainer) / PREEMPTED
-        trainer.save_checkpoint(path)  # collective: every rank calls it, rank 0 writes
-        name = signal.Signals(received).name
-        rank_zero_info(f"{name} received: saved {path} at step {trainer.global_step}; exiting with code "
-                       f"{128 + received}. Resume with the same command plus --ckpt_path last (or auto_resume).")
-        raise SystemExit(128 + received)
-
-
-class NonFiniteLossGuard(Callback):
-    """Stops the run at the first NaN/inf training loss, naming the step and the last good checkpoint.
-
-    Reading a GPU loss on the host waits for the step's kernels, so the losses are kept on their device and checked
-    together, in one transfer, every `check_every_n_steps` steps (1 on a CPU, where it costs nothing; 50 on a GPU),
-    and always before a checkpoint is written and before validation: the weights of a step with a non-finite loss
-    are never saved (AtomicCheckpointIO also refuses non-finite weights, a second line of defence). For exploding
-    gradients set `trainer.gradient_clip_val`.
-
-    Args:
-        check_every_n_steps: steps between checks; null picks by device as above.
-    """
-
-    def __init__(self, check_every_n_steps: int | None = None) -> None:
-        self.check_every_n_steps = check_every_n_steps
-        self._pending: list[tuple[int, int, int, torch.Tensor]] = []  # (step, epoch, batch_idx, loss) unchecked
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is None:
-            return
-        self._pending.append((trainer.global_step, trainer.current_epoch, batch_idx, loss.detach()))
-        every = self.check_every_n_steps or (1 if loss.device.type == "cpu" else 50)
-        if len(self._pending) >= every:
-            self.check(trainer)
-
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        self.check(trainer)  # raising here stops the save: no checkpoint holds the weights of a non-finite step
-
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.check(trainer)
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.check(trainer)
-
-    def check(self, trainer: Trainer) -> None:
-        """Raise NonFiniteLossError for the first non-finite loss since the last check (one device transfer)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        finite = torch.stack([torch.isfinite(loss).all() for *_, loss in pending]).cpu()
-        if bool(finite.all()):
-            return
-        step, epoch, batch_idx, loss = pending[int((~finite).nonzero()[0])]
-        raise NonFiniteLossError(
-            f"training loss is {loss.item()} at step {step} (epoch {epoch}, batch {batch_idx}); last good "
-            f"checkpoint: {last_good_checkpoint(trainer) or 'none yet'}. Lower model.optimizer.lr, set "
-            "trainer.gradient_clip_val, or use precision 32-true, then resume with --ckpt_path last"
-        )
 
 
 def set_sampler_epoch(loader, epoch: int) -> None:
@@ -369,4 +65,20 @@ def lost_peer_message(err: BaseException) -> str | None:
 
 
 def fault_callbacks() -> list[Callback]:
+    """The fault guards the CLI adds to every run, after the configured callbacks."""
+    from training.callbacks import ExactResume, NonFiniteLossGuard, Preemption
+
     return [ExactResume(), Preemption(), NonFiniteLossGuard()]
+
+
+def __getattr__(name: str):
+    return moved_callback(__name__, name, ("ExactResume", "Preemption", "NonFiniteLossGuard"))
+
+
+def moved_callback(module: str, name: str, moved: tuple[str, ...]):
+    """A callback class that moved to training.callbacks, for old class_paths (`training.callbacks.ExactResume`)."""
+    if name in moved:
+        import training.callbacks
+
+        return getattr(training.callbacks, name)
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")

@@ -8,111 +8,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from PIL import Image, ImageDraw, ImageFont
-from torchmetrics.classification import MulticlassConfusionMatrix, MultilabelStatScores
-
-
-class ValidationFigures(Callback):
-    """Logs `val/confusion_matrix`, `val/per_class` and `val/misclassified` to TensorBoard and W&B, and keeps the
-    latest of each as a PNG in `<run>/figures/` (for CSV-only runs and `imgcls report`), the matrix also as
-    `confusion_matrix.csv` and the per-class precision, recall, F1 and support as `per_class.csv` (a text table in
-    TensorBoard, a table in W&B; the chart is drawn for up to 40 classes).
-
-    The confusion matrix is a torchmetrics metric, so under DDP it counts every rank's images; the misclassified
-    grid shows the first `max_images` mistakes that rank 0 sees (cheap: no extra forward pass, the logits are taken
-    from the model's own forward through a hook).
-
-    Args:
-        max_images: misclassified images in the grid.
-        every_n_epochs: log every n-th validation epoch.
-    """
-
-    def __init__(self, max_images: int = 16, every_n_epochs: int = 1) -> None:
-        self.max_images = max_images
-        self.every_n_epochs = every_n_epochs
-        self._logits: torch.Tensor | None = None
-        self._hook = None
-        self._mistakes: list[tuple[torch.Tensor, int, int]] = []
-        self.confusion: MulticlassConfusionMatrix | None = None
-        self.label_counts: MultilabelStatScores | None = None  # multi-label: per class tp, fp, tn, fn, support
-
-    def _active(self, trainer: Trainer) -> bool:
-        return not trainer.sanity_checking and trainer.current_epoch % self.every_n_epochs == 0
-
-    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._active(trainer):
-            return
-        if pl_module.hparams.get("multilabel"):
-            if self.label_counts is None:
-                self.label_counts = MultilabelStatScores(pl_module.hparams.num_classes,
-                                                         threshold=pl_module.threshold, average=None)
-            self.label_counts = self.label_counts.to(pl_module.device)
-            self.label_counts.reset()
-        elif self.confusion is None:
-            self.confusion = MulticlassConfusionMatrix(pl_module.hparams.num_classes)
-        if self.confusion is not None:
-            self.confusion = self.confusion.to(pl_module.device)
-            self.confusion.reset()
-        self._mistakes = []
-
-        def keep_logits(module, args, output):
-            # Under DDP, Lightning routes validation_step through the module's __call__ too (it returns None).
-            if isinstance(output, torch.Tensor):
-                self._logits = output.detach()  # (B, num_classes)
-
-        self._hook = pl_module.register_forward_hook(keep_logits)
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if self._hook is None or self._logits is None:
-            return
-        x, y = batch
-        if pl_module.hparams.get("multilabel"):
-            self.label_counts.update(self._logits.sigmoid(), y.int())
-            self._logits = None
-            return
-        preds = self._logits.argmax(dim=1)
-        self.confusion.update(preds, y)
-        if trainer.is_global_zero and len(self._mistakes) < self.max_images:
-            for i in torch.nonzero(preds != y).flatten()[: self.max_images - len(self._mistakes)].tolist():
-                self._mistakes.append((x[i].float().cpu(), int(y[i]), int(preds[i])))
-        self._logits = None
-
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._hook is None:
-            return
-        self._hook.remove()
-        self._hook = None
-        names = pl_module.class_names
-        out = Path(trainer.default_root_dir) / "figures"
-        if pl_module.hparams.get("multilabel"):  # no confusion matrix or grid of mistakes: per-class scores only
-            counts = self.label_counts.compute().cpu().numpy()  # (C, 5); all ranks take part
-            if trainer.is_global_zero:
-                tp, fp, fn = counts[:, 0], counts[:, 1], counts[:, 3]
-                self._publish_scores(trainer, out, names, scores_from_counts(tp, fp, fn))
-            return
-        matrix = self.confusion.compute()  # all ranks take part: the counts are summed across processes
-        if not trainer.is_global_zero:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        np.savetxt(out / "confusion_matrix.csv", matrix.cpu().numpy(), fmt="%d", delimiter=",",
-                   header="rows: true class, columns: predicted class; " + ",".join(names))
-        fig, ax = self.confusion.plot(val=matrix.cpu(), labels=names if len(names) <= 30 else None)
-        ax.set_title(f"val confusion matrix, epoch {trainer.current_epoch}")
-        _publish(trainer, "val/confusion_matrix", _figure_to_array(fig))
-        self._publish_scores(trainer, out, names, per_class_scores(matrix.cpu().numpy()))
-        _publish(trainer, "val/misclassified", misclassified_grid(self._mistakes, names))
-        self._mistakes = []
-
-    @staticmethod
-    def _publish_scores(trainer: Trainer, out: Path, names: list[str], scores: np.ndarray) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        _publish_table(trainer, "val/per_class", names, scores)
-        np.savetxt(out / "per_class.csv", scores, fmt=["%.6f", "%.6f", "%.6f", "%d"], delimiter=",",
-                   header="rows: " + ",".join(names) + "\nprecision,recall,f1,support")
-        if len(names) <= 40:
-            _publish(trainer, "val/per_class", per_class_chart(names, scores, trainer.current_epoch))
 
 
 def per_class_scores(matrix: np.ndarray) -> np.ndarray:
@@ -145,7 +43,7 @@ def per_class_chart(names: list[str], scores: np.ndarray, epoch: int) -> np.ndar
     ax.set_title(f"val per class, epoch {epoch}")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    return _figure_to_array(fig)
+    return figure_to_array(fig)
 
 
 def misclassified_grid(mistakes: list[tuple[torch.Tensor, int, int]], names: list[str], *, cols: int = 4,
@@ -181,7 +79,7 @@ def to_display(image: torch.Tensor) -> np.ndarray:
     return (array - low) / (high - low) if high > low else np.zeros_like(array)
 
 
-def _figure_to_array(fig: plt.Figure) -> np.ndarray:
+def figure_to_array(fig: plt.Figure) -> np.ndarray:
     """Render a matplotlib figure once, to (H, W, 3) uint8, and close it."""
     fig.canvas.draw()
     image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
@@ -189,7 +87,7 @@ def _figure_to_array(fig: plt.Figure) -> np.ndarray:
     return image
 
 
-def _publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarray) -> None:
+def publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarray) -> None:
     """Per-class scores as a table: Markdown text in TensorBoard, a wandb.Table in W&B."""
     columns = ["class", "precision", "recall", "f1", "support"]
     rows = [[name, *(round(float(v), 4) for v in row[:3]), int(row[3])]
@@ -203,7 +101,7 @@ def _publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndar
             logger.log_table(key=tag, columns=columns, data=rows, step=trainer.global_step)
 
 
-def _publish(trainer: Trainer, tag: str, image: np.ndarray) -> None:
+def publish(trainer: Trainer, tag: str, image: np.ndarray) -> None:
     """Send one (H, W, 3) uint8 picture to every logger that shows images, and overwrite `<run>/figures/<name>.png`."""
     step = trainer.global_step
     for logger in trainer.loggers:
@@ -214,3 +112,9 @@ def _publish(trainer: Trainer, tag: str, image: np.ndarray) -> None:
     out = Path(trainer.default_root_dir) / "figures"
     out.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image).save(out / f"{tag.split('/')[-1]}.png")
+
+
+def __getattr__(name: str):
+    from training.faults import moved_callback
+
+    return moved_callback(__name__, name, ('ValidationFigures',))

@@ -74,6 +74,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.activation_checkpointing = _classes(activation_checkpointing or [], "activation_checkpointing")
         self.broadcast_buffers = broadcast_buffers
+        self.save_distributed_checkpoint = save_distributed_checkpoint
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
@@ -102,7 +103,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """A sharded checkpoint is written into a hidden folder beside `filepath`, then renamed into place: a kill
         mid-write leaves the previous checkpoint whole. Weights holding NaN are never written (on any rank)."""
-        if not self._save_distributed_checkpoint:
+        if not self.save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)  # one file, through the CheckpointIO
             return
         path = Path(self.broadcast(str(filepath)))

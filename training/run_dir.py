@@ -8,12 +8,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import SaveConfigCallback
-from lightning.pytorch.loggers import WandbLogger
-
-from training.secrets import redact_secrets, redact_values
 
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run that a resumed fit continues
 
@@ -34,47 +29,6 @@ def checkpoint_callbacks(config) -> list:
 def checkpoint_folders(config) -> list[Path]:
     """The folders the configured ModelCheckpoints name (those with no dirpath write to <run dir>/checkpoints)."""
     return [Path(c.init_args.dirpath) for c in checkpoint_callbacks(config) if c.init_args.dirpath]
-
-
-class RunConfig(SaveConfigCallback):
-    """Writes the resolved config to `<run dir>/config.yaml` (rank 0), so the run can be re-run from its folder; a
-    later command never overwrites it, and writes its own as `<command>_config.yaml` (`fit_config.yaml` for a resumed
-    fit whose config differs),
-    and logs it to every logger as hyperparameters, with the git commit (and dirty flag) and the images per class;
-    secrets (URL passwords, API keys) are masked in both. A fit also records its W&B run id in the run directory."""
-
-    def __init__(self, parser, config, **kwargs) -> None:
-        kwargs["save_to_log_dir"] = False  # the run directory, not the first logger's folder
-        super().__init__(parser, config, **kwargs)
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Lightning logs the model's and the DataModule's hyperparameters to every logger and stores them in each
-        # checkpoint: a password in any string value would leak there too, so those copies are masked as well.
-        for obj in (pl_module, trainer.datamodule):
-            for name in ("_hparams", "_hparams_initial"):
-                if isinstance(getattr(obj, name, None), dict):
-                    setattr(obj, name, type(getattr(obj, name))(redact_values(getattr(obj, name))))
-        super().setup(trainer, pl_module, stage)
-
-    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        folder = Path(trainer.default_root_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        text = redact_secrets(self.parser.dump(self.config, skip_none=False))
-        # The run's record is the config that first trained it: a later command (validate, test, predict, a resumed
-        # or repeated fit) writes its own beside it, <stage>_config.yaml.
-        stage = getattr(stage, "value", stage)  # a TrainerFn: "fit", "validate", "test", "predict"
-        first = folder / self.config_filename
-        if stage != "fit" or first.exists():
-            if stage != "fit" or first.read_text() != text:
-                (folder / f"{stage}_{self.config_filename}").write_text(text)
-        else:
-            first.write_text(text)
-        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
-        for logger in trainer.loggers:
-            logger.log_hyperparams(params)
-            if isinstance(logger, WandbLogger) and stage == "fit":
-                # log_hyperparams has started the W&B run; `imgcls fit --ckpt_path ...` passes this id back to it.
-                (folder / WANDB_RUN_ID_FILE).write_text(f"{logger.version}\n")
 
 
 def git_state() -> dict[str, str | bool]:
@@ -139,3 +93,9 @@ def relative_to_cwd(path: str | os.PathLike) -> str:
 
 def format_score(score) -> str:
     return f"{float(score):.4f}" if score is not None else "-"
+
+
+def __getattr__(name: str):
+    from training.faults import moved_callback
+
+    return moved_callback(__name__, name, ('RunConfig',))

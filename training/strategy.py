@@ -15,12 +15,13 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 import torch.distributed.optim  # noqa: F401  before any process group exists: see destroy_process_groups
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local_sgd
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
 COMPRESSIONS: tuple[str, ...] = get_args(Compression)
@@ -93,7 +94,7 @@ class CompressedDDPStrategy(DDPStrategy):
         powersgd_warm_start: reuse last step's Q instead of a fresh random matrix (better approximations).
         post_local_sgd_period: if set, post-local SGD: after ``post_local_sgd_start_iter`` steps, gradients are only
             all-reduced inside groups of ``post_local_sgd_group_size`` processes and the full model is averaged
-            every this many steps (Lightning's ``model_averaging_period``). Combines with none/fp16/bf16.
+            every this many steps. Combines with none/fp16/bf16.
         post_local_sgd_start_iter: global all-reduce for this many steps first.
         post_local_sgd_group_size: processes per local group; null = the processes of one node.
         bucket_cap_mb: DDP bucket size in MiB: larger buckets mean fewer, larger all-reduces, less overlap.
@@ -134,8 +135,7 @@ class CompressedDDPStrategy(DDPStrategy):
             raise ValueError(f"trainer.strategy.post_local_sgd_period={post_local_sgd_period} must be >= 1 (or null)")
         if powersgd_rank < 1:
             raise ValueError(f"trainer.strategy.powersgd_rank={powersgd_rank} must be >= 1")
-        super().__init__(
-            model_averaging_period=post_local_sgd_period,
+        super().__init__(  # the hooks and post-local SGD are set up here, not by Lightning (on CUDA only)
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout_s),
             start_method=start_method,
@@ -150,63 +150,85 @@ class CompressedDDPStrategy(DDPStrategy):
             rank=powersgd_rank, start_iter=powersgd_start_iter, min_compression_rate=powersgd_min_compression_rate,
             use_error_feedback=powersgd_use_error_feedback, warm_start=powersgd_warm_start,
         )
+        self.post_local_sgd_period = post_local_sgd_period
         self.post_local_sgd_start_iter = post_local_sgd_start_iter
         self.post_local_sgd_group_size = post_local_sgd_group_size
+        self.comm_state: Any = None  # the hook's state (process group, PowerSGDState, PostLocalSGDState)
+        self.comm_hook = None  # what DDP calls with each gradient bucket; None: its own all-reduce
+        self.model_averager: PeriodicModelAverager | None = None  # post-local SGD's, while a fit runs
         self._powersgd_resume: dict | None = None  # this rank's saved PowerSGD state, until the hook exists
 
     # ---- hook registration ----------------------------------------------------------------------------------
 
-    def _register_ddp_hooks(self) -> None:
+    def configure_ddp(self) -> None:
         # Registered on every device, so CPU runs compress too (docs/DISTRIBUTED.md, "Hooks on every device").
+        super().configure_ddp()
         self._build_hook_state()
-        _register_ddp_comm_hook(
-            model=self.model,
-            ddp_comm_state=self._ddp_comm_state,
-            ddp_comm_hook=self._ddp_comm_hook,
-            ddp_comm_wrapper=self._ddp_comm_wrapper,
-        )
+        if self.comm_hook is None:
+            return
+        hook = self.comm_hook
+        if self.post_local_sgd_period is not None and self.compression != "none":  # compressed inside post-local SGD
+            wrapper = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+            rank_zero_info(f"DDP comm hook: {wrapper[self.compression].__qualname__}({hook.__qualname__})")
+            hook = wrapper[self.compression](hook)
+        self.model.register_comm_hook(state=self.comm_state, hook=hook)
 
     def _build_hook_state(self) -> None:
         """Create the hook and its state now that the process group exists (every rank runs this)."""
-        if self._model_averaging_period is not None:
-            # Post-local SGD: the hook all-reduces globally for start_iter steps, then only inside the subgroup;
-            # Lightning's setup() sees the PostLocalSGDState and adds the periodic model averager.
+        if self.post_local_sgd_period is not None:
+            # Post-local SGD: the hook all-reduces globally for start_iter steps, then only inside the subgroup; the
+            # model averager (setup) averages the whole model every period steps after that.
             group_size = self.post_local_sgd_group_size or self.num_processes
             subgroup, _ = dist.new_subgroups(group_size=group_size)
-            self._ddp_comm_state = post_local_sgd.PostLocalSGDState(
+            self.comm_state = post_local_sgd.PostLocalSGDState(
                 process_group=None, subgroup=subgroup, start_localSGD_iter=self.post_local_sgd_start_iter
             )
-            self._ddp_comm_hook = post_local_sgd.post_localSGD_hook
-            self._ddp_comm_wrapper = {"none": None, "fp16": default_hooks.fp16_compress_wrapper,
-                                      "bf16": default_hooks.bf16_compress_wrapper}[self.compression]
+            self.comm_hook = post_local_sgd.post_localSGD_hook
             return
-        self._ddp_comm_state, self._ddp_comm_hook = build_comm_hook(
-            self.compression, self.model.module, **self.powersgd_kwargs
-        )
+        self.comm_state, self.comm_hook = build_comm_hook(self.compression, self.model.module, **self.powersgd_kwargs)
         self._restore_powersgd()
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and isinstance(self.comm_state, post_local_sgd.PostLocalSGDState):
+            from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+
+            for optimizer in self.optimizers:
+                if isinstance(optimizer, (ZeroRedundancyOptimizer, PostLocalSGDOptimizer)):
+                    raise ValueError(f"trainer.strategy.post_local_sgd_period cannot average the model with a "
+                                     f"{type(optimizer).__name__}; use a plain torch.optim optimizer")
+            self.model_averager = PeriodicModelAverager(period=self.post_local_sgd_period,
+                                                        warmup_steps=self.comm_state.start_localSGD_iter)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.model_averager is not None:
+            self.model_averager.average_parameters(
+                iter([p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]))
+        return output
 
     def teardown(self) -> None:
         super().teardown()
-        if self._model_averaging_period is not None:
+        if self.post_local_sgd_period is not None:
             # Post-local SGD's state and model averager hold process groups (its subgroup, the default group): let go
             # of them when the stage ends, so that the end of the run frees the groups (destroy_process_groups). A
             # next fit builds both again (configure_ddp, setup). PowerSGD's state holds none and is kept for
             # checkpoints saved after the fit.
-            self._ddp_comm_state = None
-            self._model_averager = None
+            self.comm_state = None
+            self.model_averager = None
 
     # ---- PowerSGD state in checkpoints (not in any state dict: pytorch issue 75666) -------------------------
 
     @property
     def powersgd_state(self) -> powersgd.PowerSGDState | None:
-        state = self._ddp_comm_state
+        state = self.comm_state
         return state if isinstance(state, powersgd.PowerSGDState) else None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         # Every rank reaches here (Trainer.save_checkpoint); rank 0 writes. The error memory differs per rank, so
         # rank 0 gathers all of them: the checkpoint grows by one fp32 gradient copy per rank.
-        if isinstance(self._ddp_comm_hook, ResumablePowerSGDHook) and dist.is_initialized():
-            local = self._ddp_comm_hook.state_dict(self.powersgd_state)
+        if isinstance(self.comm_hook, ResumablePowerSGDHook) and dist.is_initialized():
+            local = self.comm_hook.state_dict(self.powersgd_state)
             gathered = [None] * self.world_size if self.is_global_zero else None
             dist.gather_object(local, gathered, dst=0)
             if self.is_global_zero:
@@ -227,9 +249,9 @@ class CompressedDDPStrategy(DDPStrategy):
         return checkpoint
 
     def _restore_powersgd(self) -> None:
-        if self._powersgd_resume is None or not isinstance(self._ddp_comm_hook, ResumablePowerSGDHook):
+        if self._powersgd_resume is None or not isinstance(self.comm_hook, ResumablePowerSGDHook):
             return
-        self._ddp_comm_hook.load_state_dict(self.powersgd_state, self._powersgd_resume)
+        self.comm_hook.load_state_dict(self.powersgd_state, self._powersgd_resume)
         self._powersgd_resume = None
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from training.sweep_file import Sweep, make_pruner, suggest, trial_args
 
-TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial id, metric, pruner
+TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial number, metric, pruner
 TRIAL_COMMAND = [sys.executable, "-m", "training.sweep_trial"]  # the trial process, before `fit <arguments>`
 # optuna-integration's private protocol for a trainer in another process: where it leaves each epoch's metric and its
 # pruning decision (tests/test_internals.py holds these to the integration's own names).
@@ -67,8 +67,7 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
     args = [*sweep.fixed_args, *trial_args(params), f"--trainer.default_root_dir={run_dir}"]
     env = dict(os.environ)
     # The storage URL may hold a password: it goes through the environment, never into a command line or config.
-    # The trial id is private, but no public handle reaches a running trial from another process.
-    env[TRIAL_ENV_VAR] = json.dumps({"storage": url, "study": sweep.name, "trial_id": trial._trial_id,
+    env[TRIAL_ENV_VAR] = json.dumps({"storage": url, "study": sweep.name, "trial_number": trial.number,
                                      "metric": sweep.metric, "hyperband": sweep.hyperband})
     env.setdefault("WANDB_RUN_GROUP", sweep.name)  # wandb runs of one sweep share a group
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
@@ -98,9 +97,20 @@ def _outcome(trial, sweep: Sweep) -> float:
     return final[sweep.metric]
 
 
+def open_trial(spec: dict):
+    """(the running trial of `spec`, as an optuna Trial, its storage id): in the trial process, from the study's name
+    and the trial's number through the storage's public lookup."""
+    import optuna
+
+    storage = open_storage(spec["storage"])
+    study = optuna.load_study(study_name=spec["study"], storage=storage, pruner=make_pruner(spec["hyperband"]))
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(spec["study"]),
+                                                               spec["trial_number"])
+    return optuna.trial.Trial(study, trial_id), trial_id
+
+
 def trial_callback():
     """The callback a trial process adds to its Trainer (built from the JSON in $IMGCLS_SWEEP_TRIAL)."""
-    import optuna
     from optuna_integration.pytorch_lightning import PyTorchLightningPruningCallback
 
     class SweepTrial(PyTorchLightningPruningCallback):
@@ -108,10 +118,8 @@ def trial_callback():
         metrics of the final validation of the best checkpoint as the trial's result."""
 
         def __init__(self, spec: dict) -> None:
-            study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
-                                      pruner=make_pruner(spec["hyperband"]))
-            # Trial(study, id) is private too: the integration's own hand-over of a trial to another process.
-            super().__init__(optuna.trial.Trial(study, spec["trial_id"]), spec["metric"])
+            self.trial, self.trial_id = open_trial(spec)
+            super().__init__(self.trial, spec["metric"])
 
         def on_fit_start(self, trainer, pl_module) -> None:
             # The integration's DDP protocol, also for one process: the sweep process reads the outcome. Not its
@@ -119,14 +127,14 @@ def trial_callback():
             self.is_ddp_backend = True
             if trainer.is_global_zero:  # a retry copies its predecessor's system attributes: start clean
                 for key, value in ((INTERMEDIATE_KEY, {}), (PRUNED_KEY, False)):
-                    self._trial.storage.set_trial_system_attr(self._trial._trial_id, key, value)  # no public setter
+                    self.trial.storage.set_trial_system_attr(self.trial_id, key, value)
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if trainer.state.fn == "fit":
                 super().on_validation_end(trainer, pl_module)
             elif trainer.is_global_zero and not trainer.sanity_checking:  # after_fit's validation of the best
                 final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-                self._trial.set_user_attr("final_metrics", final)
+                self.trial.set_user_attr("final_metrics", final)
 
     return SweepTrial(json.loads(os.environ[TRIAL_ENV_VAR]))
 

@@ -17,13 +17,12 @@ class SecretSafeWandbLogger(WandbLogger):
 
     wandb stores sys.argv in the run's metadata (and `wandb sync` uploads it), out of reach of the masking of
     config.yaml and of the logged config; a password typed as a command-line value would land there. sys.argv is
-    masked only while the run starts: Lightning's launcher still needs the real one to start the other ranks.
+    masked only while the logger's run is reached (started on the first access): Lightning's launcher still needs the
+    real one to start the other ranks.
     """
 
     @property
     def experiment(self):
-        if self._experiment is not None:
-            return super().experiment
         saved = sys.argv[:]
         sys.argv[1:] = [redact_secrets(arg) for arg in saved[1:]]
         try:

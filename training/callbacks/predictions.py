@@ -1,4 +1,4 @@
-"""Callbacks of the run layer: writing predictions (the config saved into the run directory: training/run_dir.py)."""
+"""PredictionWriter: `predictions.csv` at the end of `imgcls predict`, the ranks' parts gathered on rank 0."""
 
 from __future__ import annotations
 

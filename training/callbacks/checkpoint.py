@@ -1,0 +1,68 @@
+"""ModelCheckpoint whose last.ckpt is the state at the end of every validation (a hard link where it can be)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lightning.pytorch import callbacks as lightning_callbacks
+from lightning.pytorch.trainer.states import TrainerFn
+
+
+class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
+    """Lightning's ModelCheckpoint, whose `last.ckpt` is the state at the end of every validation, a hard link to the
+    best-k file of the same step when there is one (why Lightning's own last.ckpt is not enough: docs/DESIGN.md,
+    "last.ckpt"). Linking needs a CheckpointIO with `link_checkpoint` (this module's); else last.ckpt is written."""
+
+    # Lightning saves at the end of the training epoch when validation runs once per epoch (inside that epoch), else
+    # at the end of each validation; last.ckpt follows in the same hook when nothing was saved at this step yet.
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self._save_last_if_missed(trainer, on_epoch_end=True)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._save_last_if_missed(trainer, on_epoch_end=False)
+
+    def _save_last_if_missed(self, trainer, *, on_epoch_end: bool) -> None:
+        if (self.save_last is True and not self.skips(trainer)
+                and self._should_save_on_train_epoch_end(trainer) == on_epoch_end):
+            self._save_last_checkpoint(trainer, monitor_candidates(trainer))
+
+    def skips(self, trainer) -> bool:
+        """Whether this callback saves nothing now: not fitting, a sanity check or fast_dev_run, or saved at this
+        step already."""
+        return (bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+                or self._last_global_step_saved == trainer.global_step)
+
+    def _save_last_checkpoint(self, trainer, monitor_candidates: dict) -> None:
+        io = trainer.strategy.checkpoint_io
+        fresh = self._last_checkpoint_saved and self._last_global_step_saved == trainer.global_step
+        # A sharded checkpoint (a folder, training.fsdp) is written by the strategy, not by the CheckpointIO: in full.
+        sharded = fresh and Path(self._last_checkpoint_saved).is_dir()
+        if self.save_last is not True or not fresh or sharded or not hasattr(io, "link_checkpoint"):
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+            return
+        path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+        previous, self.last_model_path = self.last_model_path, path
+        if trainer.is_global_zero:
+            io.link_checkpoint(self._last_checkpoint_saved, path)
+        trainer.strategy.barrier()
+        if previous and previous != path and self.owns(trainer, previous):
+            trainer.strategy.remove_checkpoint(previous)
+
+    def owns(self, trainer, path: str) -> bool:
+        """Whether `path` is a file of this callback's folder that it may replace: not the one the fit resumed from."""
+        path = Path(path).absolute()
+        if trainer.ckpt_path is not None and path == Path(trainer.ckpt_path).absolute():
+            return False
+        return Path(self.dirpath).absolute() in path.parents
+
+
+def monitor_candidates(trainer) -> dict[str, torch.Tensor]:
+    """The values a checkpoint's file name may hold: the logged metrics, `epoch` and `step` (as ints)."""
+    metrics = dict(trainer.callback_metrics)
+    for key, value in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+        logged = metrics.get(key)
+        metrics[key] = logged.int() if isinstance(logged, torch.Tensor) else torch.tensor(value)
+    return metrics
