@@ -69,7 +69,8 @@ class RunConfig(SaveConfigCallback):
                 (folder / f"{stage}_{self.config_filename}").write_text(text)
         else:
             first.write_text(text)
-        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
+        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule),
+                  "hardware": hardware_summary(trainer)}
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
             if isinstance(logger, WandbLogger) and stage == "fit":
@@ -88,6 +89,16 @@ def git_state() -> dict[str, str | bool]:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown", "dirty": False}
+
+
+def hardware_summary(trainer: Trainer) -> str:
+    """The devices a run trains on, in words (quoted by the model card of `imgcls publish`)."""
+    from core.hardware import detect
+
+    hw = detect()
+    on_cuda = trainer.strategy.root_device.type == "cuda" and hw.cuda
+    device = hw.cuda if on_cuda else f"{hw.cpu_model} ({hw.cores} cores)"
+    return f"{trainer.num_nodes * trainer.num_devices} x {device}, precision {trainer.precision}"
 
 
 def data_summary(datamodule) -> dict[str, dict[str, int]]:
