@@ -294,7 +294,7 @@ def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
               "(other cameras, sizes, domains) may be classified with high but wrong confidence.",
               ""]
     if weak:
-        lines.append("Weakest classes on validation (F1): " + ", ".join(f"{n} ({scores[n][0]:.3f})" for n in weak)
+        lines.append("Weakest classes on validation (F1): " + ", ".join(f"{n} ({seen[n]:.3f})" for n in weak)
                      + ".")
     else:
         lines.append("Per-class validation figures were not recorded (training.figures.ValidationFigures writes them).")
