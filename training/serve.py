@@ -138,6 +138,11 @@ class ImageBody:
                                "multipart/form-data files, or JSON {\"images\": [base64, ...]}")(scope, receive, send)
             return
         if kind == "application/json":
+            try:
+                json.loads(body)
+            except ValueError as err:
+                await _reject(422, f"the JSON body does not parse ({err})")(scope, receive, send)
+                return
             images = None
         elif kind.startswith(RAW_TYPES):
             images = [bytes(body)]
