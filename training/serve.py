@@ -248,6 +248,8 @@ class ImageClassifierAPI(ls.LitAPI):
 
     @torch.inference_mode()
     def predict(self, inputs: list) -> list:
+        if not isinstance(inputs, list):  # max_batch_size 1: LitServe passes the one request's input as it is
+            return self.predict([inputs])[0]
         good = [x for x in inputs if not isinstance(x, Rejected)]
         if not good:
             return inputs
