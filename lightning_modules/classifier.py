@@ -30,6 +30,7 @@ from core.config_types import (
     UnitIntervalRightOpen,
     check_arguments,
 )
+from lightning_modules import pretrained
 from lightning_modules.losses import for_multilabel
 from lightning_modules.network import Arch, build_network, head_prefix
 from lightning_modules.optim import (
@@ -424,6 +425,12 @@ class ImageClassifier(L.LightningModule):
             f"{self.trainer.accumulate_grad_batches}: learning rates rescaled x{factor:.4g} ({self.hparams.lr_scaling} "
             f"scaling: {saved:.4g} -> {self.lr_scale():.4g} per the lr of 256 images)"
         )
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, *, threshold: float | None = None) -> ImageClassifier:
+        """The model of a folder written by `imgcls publish` (or its Hub repo id), in eval mode on the CPU: no
+        checkpoint, no config file, nothing unpickled (lightning_modules/pretrained.py)."""
+        return pretrained.from_pretrained(cls, name_or_path, threshold=threshold)
 
 
 def resolve_levers(hparams, device: str) -> tuple[dict[str, bool | str], list[str]]:

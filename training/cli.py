@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
+from lightning_modules.pretrained import is_model_folder, load_network_weights, network_kwargs_of
 from training.callbacks import PredictionWriter, RunConfig
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
 from training.errors import exit_code
@@ -62,6 +63,7 @@ from training.from_checkpoint import (
     set_by_user,
 )
 from training.preflight import check_monitored
+from training.publish import published_run
 from training.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
 from training.strategy import destroy_process_groups
 from training.trainer import Trainer
@@ -74,6 +76,8 @@ EXTRA_COMMANDS = {
     "sweep": ("training.sweep", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
     "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
     "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
+    "publish": ("training.publish", "write a checkpoint as a model folder in the Hugging Face Hub's layout"),
+    "serve": ("training.serve", "serve a model folder or checkpoint over HTTP with LitServe (dynamic batching)"),
 }
 
 DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__name__}"
@@ -280,6 +284,9 @@ class ImgclsCLI(LightningCLI):
         elif config.ckpt_path is None:
             config.ckpt_path = self._checkpoint_to_evaluate(subcommand, config)
         path = config.ckpt_path
+        if not path and is_model_folder(config.model.get("weights")):  # a folder of `imgcls publish`
+            self._from_model_folder(subcommand, config.model.weights)
+            return
         if not path or not Path(path).exists():  # none, or Lightning's "best" / "hpc" / "registry"
             return
         self.saved_run = saved = SavedRun.read(path)
@@ -301,9 +308,22 @@ class ImgclsCLI(LightningCLI):
             if update:
                 self.config = self.parser.parse_object({subcommand: {"data": update}}, self.config)
 
+    def _from_model_folder(self, subcommand: str, folder: str) -> None:
+        """--model.weights FOLDER (`imgcls publish`): its network always; for validate, test and predict also its
+        classes and input contract, as a checkpoint's (the weights are loaded by _ModelInstantiator)."""
+        saved = published_run(folder)
+        model = saved.model if subcommand != "fit" else {k: saved.model[k] for k in network_kwargs_of(saved.model)}
+        if subcommand != "fit":
+            self.saved_run = saved
+        rank_zero_info(f"{subcommand}: the network of the model folder model.weights={folder}"
+                       + ("" if subcommand == "fit" else ", with its classes and preprocessing"))
+        self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+
     def _checkpoint_to_evaluate(self, subcommand: str, config) -> str | None:
         """validate, test or predict without --ckpt_path: the run directory's best checkpoint, else the pretrained
         weights (said in one line), else a refusal: an untrained network is never evaluated in silence."""
+        if is_model_folder(config.model.get("weights")):
+            return None  # the model folder's own weights (_from_model_folder)
         folder = run_dir(config)
         found = best_checkpoint_of(folder, checkpoint_folders(config))
         if found is not None:
@@ -403,7 +423,15 @@ class _ModelInstantiator(_InstantiatorFn):
         if kwargs.get("weights") and self.cli.config[self.cli.subcommand].get("ckpt_path"):
             rank_zero_info(f"model.weights={kwargs['weights']} not loaded: the checkpoint supplies every weight")
             kwargs["weights"] = None
-        return super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
+        folder = kwargs.get("weights") if is_model_folder(kwargs.get("weights")) else None
+        if folder:
+            kwargs["weights"] = None  # loaded below, with the head when it fits (the same classes)
+        model = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
+        if folder:
+            head = load_network_weights(model.net, folder, head=True)
+            rank_zero_info(f"model.weights={folder}: loaded the network" + ("" if head else
+                           "'s backbone (other classes: a new head)"))
+        return model
 
 
 class _DataInstantiator(_InstantiatorFn):

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run that a resumed fit continues
@@ -42,6 +43,16 @@ def git_state() -> dict[str, str | bool]:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown", "dirty": False}
+
+
+def hardware_summary(trainer: Trainer) -> str:
+    """The devices a run trains on, in words (quoted by the model card of `imgcls publish`)."""
+    from core.hardware import detect
+
+    hw = detect()
+    on_cuda = trainer.strategy.root_device.type == "cuda" and hw.cuda
+    device = hw.cuda if on_cuda else f"{hw.cpu_model} ({hw.cores} cores)"
+    return f"{trainer.num_nodes * trainer.num_devices} x {device}, precision {trainer.precision}"
 
 
 def data_summary(datamodule) -> dict[str, dict[str, int]]:

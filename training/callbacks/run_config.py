@@ -8,7 +8,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 
-from training.run_dir import WANDB_RUN_ID_FILE, data_summary, git_state
+from training.run_dir import WANDB_RUN_ID_FILE, data_summary, git_state, hardware_summary
 from training.secrets import redact_secrets, redact_values
 
 
@@ -46,7 +46,8 @@ class RunConfig(SaveConfigCallback):
                 (folder / f"{stage}_{self.config_filename}").write_text(text)
         else:
             first.write_text(text)
-        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule)}
+        params = {"config": text, "git": git_state(), "data": data_summary(trainer.datamodule),
+                  "hardware": hardware_summary(trainer)}
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
             if isinstance(logger, WandbLogger) and stage == "fit":

@@ -1,0 +1,182 @@
+"""Serving on loopback: requests/s and p50/p99 latency of `imgcls serve` with dynamic batching, the same server with
+`max_batch_size 1`, and a plain `http.server` endpoint around the same model (one request at a time, no LitServe).
+
+    python -m benchmarks.serve [--quick]
+
+A fixed number of concurrent clients each post a bounded number of the same PNG (raw body); every answer must be a
+200. The model is a random-weight ResNet of the quickstart's head written as a model folder (`imgcls publish`'s
+layout), so the figures measure serving, not accuracy.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from benchmarks.common import standalone, table
+
+TITLE = "Serving"
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "plain http.server, one request at a time"
+
+
+def write_folder(folder: Path, arch: str, size: int) -> Path:
+    """A model folder of a random-weight network, as `imgcls publish` lays it out."""
+    import torch
+    from safetensors.torch import save_file
+
+    from datamodules.presets import input_contract
+    from lightning_modules import ImageClassifier
+    from training.from_checkpoint import SavedRun
+    from training.publish import model_config
+
+    torch.manual_seed(0)
+    contract = input_contract("imagenet", size)
+    model = ImageClassifier(num_classes=10, arch=arch, head_hidden=1024, channels_last=False, input_contract=contract)
+    saved = SavedRun(folder, dict(model.hparams), {}, 0, None, {})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.net.state_dict().items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(model_config(saved, None, False), indent=2))
+    return folder
+
+
+def plain_server(folder: str, port: int) -> None:
+    """The baseline: http.server, one request at a time (a lock), the same decode, transform and model."""
+    import threading
+
+    import torch
+
+    from training.serve import decode_image, eval_transform, load_served
+
+    served = load_served(folder)
+    transform, lock = eval_transform(served.contract), threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self._answer(200, b"ok")
+
+        def do_POST(self):  # noqa: N802
+            data = self.rfile.read(int(self.headers["Content-Length"]))
+            with lock, torch.inference_mode():
+                probs = served.model(transform(decode_image(data, 40_000_000))[None]).softmax(1)[0]
+            self._answer(200, json.dumps({"label": served.class_names[int(probs.argmax())]}).encode())
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(cmd: list[str], port: int, body: bytes, clients: int, requests: int) -> dict:
+    """Start the server, wait for its health, fire clients x requests posts; requests/s and latencies (ms)."""
+    import httpx
+
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(cmd)} did not come up")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        headers = {"Content-Type": "image/png"}
+        with httpx.Client(timeout=120) as client:
+            warm = client.post(f"{url}/predict", content=body, headers=headers)
+            if warm.status_code != 200:
+                log.seek(0)
+                raise RuntimeError(f"{' '.join(cmd)} answered {warm.status_code}: {log.read()[-3000:]}")
+
+            def one_client(_):
+                times = []
+                for _ in range(requests):
+                    start = time.perf_counter()
+                    client.post(f"{url}/predict", content=body, headers=headers).raise_for_status()
+                    times.append(time.perf_counter() - start)
+                return times
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                latencies = sorted(t for part in pool.map(one_client, range(clients)) for t in part)
+            wall = time.perf_counter() - start
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+    return {"requests_per_s": len(latencies) / wall, "p50_ms": 1000 * statistics.median(latencies),
+            "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
+
+
+def main(quick: bool = False) -> dict:
+    from PIL import Image
+
+    clients, requests, size = (4, 3, 64) if quick else (16, 30, 224)
+    arch = "resnet18" if quick else "resnet50"
+    image = io.BytesIO()
+    Image.effect_noise((size + size // 7, size + size // 7), 64).convert("RGB").save(image, "PNG")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = str(write_folder(Path(tmp) / "model", arch, size))
+        serve = [sys.executable, "-m", "training.cli", "serve", folder, "--accelerator", "auto"]
+        candidates = {
+            "imgcls serve, max_batch_size 16": serve + ["--max_batch_size", "16", "--batch_timeout", "0.01"],
+            "imgcls serve, max_batch_size 1": serve + ["--max_batch_size", "1"],
+            BASELINE: [sys.executable, "-m", "benchmarks.serve", "--plain", folder],
+        }
+        rows = {}
+        for name, cmd in candidates.items():
+            port = free_port()
+            cmd = cmd + (["--port", str(port)] if "--plain" not in cmd else [str(port)])
+            rows[name] = measure(cmd, port, image.getvalue(), clients, requests)
+    return {"arch": arch, "image_size": size, "clients": clients, "requests_per_client": requests, "rows": rows}
+
+
+def render(r: dict) -> tuple[str, str]:
+    base = r["rows"][BASELINE]["requests_per_s"]
+    rows = [[name, f"{v['requests_per_s']:.1f}", f"{v['requests_per_s'] / base:.2f}x", f"{v['p50_ms']:.0f}",
+             f"{v['p99_ms']:.0f}"] for name, v in r["rows"].items()]
+    body = table(["server", "requests/s", "vs plain", "p50 ms", "p99 ms"], rows)
+    return body, (f"{r['arch']} at {r['image_size']} px, {r['clients']} concurrent clients x "
+                  f"{r['requests_per_client']} requests each, one PNG as the raw body, on loopback")
+
+
+def figures(r: dict) -> dict[str, str]:
+    rows = r["rows"]
+    batched, single = rows["imgcls serve, max_batch_size 16"], rows["imgcls serve, max_batch_size 1"]
+    return {"batching_x": f"{batched['requests_per_s'] / single['requests_per_s']:.2f}x",
+            "batched_rps": f"{batched['requests_per_s']:.1f} req/s",
+            "batched_p99": f"{batched['p99_ms']:.0f} ms", "single_p99": f"{single['p99_ms']:.0f} ms"}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--plain":
+        plain_server(sys.argv[2], int(sys.argv[3]))
+    else:
+        standalone("serve", __doc__)

@@ -1,0 +1,220 @@
+"""`imgcls publish` and `imgcls serve` on one tiny run: the folder's files and card as huggingface_hub reads them,
+loading it back without the checkpoint (same predictions, a fine-tune), the refusals, and a real server process
+answered by a real HTTP client: labels equal to `imgcls predict`'s, batches under concurrency, bad input in 4xx."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from PIL import Image
+from safetensors.torch import load_file
+
+from lightning_modules import ImageClassifier
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
+
+SETTINGS = ["--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, digits_root) -> Path:
+    """A run of resnet18 on the 32 px digits, long enough to tell the digits apart."""
+    run = tmp_path_factory.mktemp("publish_run")
+    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, *SETTINGS, "--data.root", str(digits_root),
+            "--data.batch_size", "32", "--trainer.limit_train_batches", "30", "--trainer.limit_val_batches", "3",
+            "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(run))
+    return run
+
+
+@pytest.fixture(scope="module")
+def folder(trained, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("published") / "digits-resnet18"
+    proc = run_cli("publish", "--ckpt_path", str(trained / "checkpoints" / "last.ckpt"), str(out))
+    assert f"hf upload USER/NAME {out}" in proc.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def images(digits_root, tmp_path_factory) -> Path:
+    """Two test digits of each class, as PNG and as JPEG."""
+    out = tmp_path_factory.mktemp("to_predict")
+    for label in range(10):
+        for i, path in enumerate(sorted((digits_root / "test" / str(label)).glob("*.png"))[:2]):
+            if i == 0:
+                shutil.copy(path, out / f"{label}_{path.name}")
+            else:
+                Image.open(path).convert("RGB").save(out / f"{label}_{path.stem}.jpg", quality=90)
+    return out
+
+
+def predictions(run_dir: Path) -> dict[str, str]:
+    with open(run_dir / "predictions.csv", newline="") as f:
+        return {Path(row["path"]).name: row["class_name"] for row in csv.DictReader(f)}
+
+
+def test_folder_holds_the_validated_weights_and_a_card_the_hub_reads(folder, trained, digits_root):
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "README.md",
+                                                  "training_config.yaml", "confusion_matrix.png"}
+    ckpt = torch.load(trained / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    weights = load_file(folder / "model.safetensors")
+    assert weights.keys() == {k.removeprefix("net.") for k in ckpt["state_dict"] if k.startswith("net.")}
+    assert all(torch.equal(weights[k], ckpt["state_dict"][f"net.{k}"]) for k in weights)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["network"]["init_args"] | {"arch": "resnet18", "head_hidden": 32} == config["network"]["init_args"]
+    assert config["class_names"] == [str(i) for i in range(10)] and config["num_classes"] == 10
+    assert (config["multilabel"], config["threshold"], config["weights"]["averaged"]) == (False, None, False)
+    assert config["preprocessing"] == ckpt["hyper_parameters"]["input_contract"]
+    assert (folder / "training_config.yaml").read_text() == (trained / "config.yaml").read_text()
+
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.library_name == "imgcls" and card.data.pipeline_tag == "image-classification"
+    assert card.data.datasets == ["digits"] and "resnet18" in card.data.tags
+    results = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert set(results) == {"top-1 accuracy", "top-5 accuracy", "macro F1"}
+    score = ckpt["callbacks"][next(k for k in ckpt["callbacks"] if k.startswith("ModelCheckpoint"))]
+    assert results["top-1 accuracy"] == pytest.approx(float(score["best_model_score"]))
+    sevens = len(list((digits_root / "train" / "7").iterdir()))
+    for text in ("## Classes", f"| 7 | {sevens} |", "## Recipe", "AdamW(lr=0.016", "## Hardware and training time",
+                 "## Intended use and limits", "confusion_matrix.png"):
+        assert text in card.text, text
+
+
+def test_folder_predicts_as_the_checkpoint_and_fine_tunes(folder, trained, images, digits_root, tmp_path):
+    model = ImageClassifier.from_pretrained(folder)
+    reference = ImageClassifier.load_from_checkpoint(trained / "checkpoints" / "last.ckpt", map_location="cpu")
+    x = torch.rand(4, 3, 32, 32)
+    with torch.no_grad():  # the same weights (bitwise: the test above); the layouts may differ (channels_last: auto)
+        torch.testing.assert_close(model(x), reference.eval()(x), rtol=1e-5, atol=1e-5)
+
+    common = ["predict", "--data.predict_dir", str(images), "--trainer.accelerator", "cpu", *SETTINGS]
+    run_cli(*common, "--model.weights", str(folder), "--trainer.default_root_dir", str(tmp_path / "from_folder"))
+    run_cli(*common, "--ckpt_path", str(trained / "checkpoints" / "last.ckpt"), "--trainer.default_root_dir",
+            str(tmp_path / "from_ckpt"))
+    from_folder = predictions(tmp_path / "from_folder")
+    assert len(from_folder) == 20 and from_folder == predictions(tmp_path / "from_ckpt")
+    assert len(set(from_folder.values())) >= 5  # a trained model, not one constant label
+
+    fit = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, *SETTINGS, "--model.arch", "resnet50",
+                  "--model.weights", str(folder), "--data.root", str(digits_root),
+                  "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--trainer.max_epochs",
+                  "1", "--auto_resume", "false", "--trainer.default_root_dir", str(tmp_path / "fine_tune"))
+    assert f"model.weights={folder}: loaded the network" in fit.stdout + fit.stderr
+    tuned = torch.load(tmp_path / "fine_tune" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert tuned["hyper_parameters"]["arch"] == "resnet18"  # the folder's network, over the config's
+
+
+def test_publish_refuses_in_one_line_and_keeps_what_is_there(folder, trained, tmp_path):
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    refused = run_cli("publish", "--ckpt_path", str(ckpt), str(busy), check=False)
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+    run_cli("publish", "--ckpt_path", str(ckpt), str(busy), "--overwrite")
+    assert (busy / "notes.txt").read_text() == "mine" and (busy / "model.safetensors").is_file()
+
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["multilabel"] = True
+    multilabel = tmp_path / "multilabel.ckpt"
+    torch.save(state, multilabel)
+    for path, extra, expected in ((foreign, [], "is not a checkpoint of imgcls fit"),
+                                  (multilabel, [], "pass --threshold"),
+                                  (ckpt, ["--threshold", "0.5"], "--threshold is for multi-label models")):
+        out = tmp_path / f"out_{path.stem}_{len(extra)}"
+        proc = run_cli("publish", "--ckpt_path", str(path), str(out), *extra, check=False)
+        assert proc.returncode == 2 and expected in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert not out.exists()
+    run_cli("publish", "--ckpt_path", str(multilabel), str(tmp_path / "ml"), "--threshold", "0.3")
+    config = json.loads((tmp_path / "ml" / "config.json").read_text())
+    assert (config["multilabel"], config["threshold"]) == (True, 0.3)
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    """`imgcls serve FOLDER` as a process of its own on a free loopback port, killed with its workers at the end."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "training.cli", "serve", str(folder), "--port", str(port),
+                                 "--max_batch_size", "8", "--batch_timeout", "0.05", "--max_bytes", "2000000"],
+                                cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"imgcls serve exited {proc.returncode}: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no health within 120 s: {log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def post(url: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{url}/predict", timeout=60, **kwargs)
+
+
+def test_served_labels_equal_predict_and_batches_form(server, folder, images, tmp_path):
+    run_cli("predict", "--model.weights", str(folder), "--data.predict_dir", str(images), "--trainer.accelerator",
+            "cpu", *SETTINGS, "--trainer.default_root_dir", str(tmp_path))
+    expected = predictions(tmp_path)
+    files = sorted(p for p in images.iterdir() if p.suffix in (".png", ".jpg"))
+    kinds = {".png": "image/png", ".jpg": "image/jpeg"}
+
+    def one(path: Path) -> httpx.Response:
+        return post(server, content=path.read_bytes(), headers={"Content-Type": kinds[path.suffix]})
+
+    with ThreadPoolExecutor(max_workers=10) as pool:  # 20 requests, 10 at a time
+        answers = list(pool.map(one, files))
+    assert [a.status_code for a in answers] == [200] * len(files)
+    assert {p.name: a.json()["predictions"][0]["label"] for p, a in zip(files, answers, strict=True)} == expected
+    assert max(int(a.headers["X-Imgcls-Batch"]) for a in answers) > 1  # requests shared forward passes
+
+    multipart = post(server, files=[("a", files[0].read_bytes()), ("b", files[1].read_bytes())])
+    assert [p["label"] for p in multipart.json()["predictions"]] == [expected[files[0].name], expected[files[1].name]]
+    top = multipart.json()["predictions"][0]["top_k"]
+    assert len(top) == 5 and top[0]["score"] >= top[-1]["score"]
+
+
+def test_server_answers_bad_input_in_one_line_and_keeps_serving(server, images):
+    png = next(images.glob("*.png")).read_bytes()
+    jpeg = next(images.glob("*.jpg")).read_bytes()
+    huge = io.BytesIO()
+    Image.new("L", (7100, 7100)).save(huge, "PNG")  # 50 megapixels, a small file
+    cases = {
+        "not an image": (b"hello, not an image", "image/png", 422, "is not an image"),
+        "truncated JPEG": (jpeg[:-100], "image/jpeg", 422, "truncated"),  # its header whole, its scan cut
+        "empty body": (b"", "image/png", 400, "empty"),
+        "50 megapixels": (huge.getvalue(), "image/png", 413, "50.4 megapixels"),
+        "wrong content type": (png, "text/plain", 415, "text/plain"),
+        "over the size limit": (b"\0" * 2_100_000, "application/octet-stream", 413, "--max_bytes"),
+        "broken JSON": (b"{not json", "application/json", 422, "does not parse"),
+    }
+    for name, (body, kind, status, reason) in cases.items():
+        answer = post(server, content=body, headers={"Content-Type": kind})
+        assert answer.status_code == status, (name, answer.text)
+        detail = answer.json()["detail"]
+        assert reason in detail and "\n" not in detail, (name, detail)
+        assert post(server, content=png, headers={"Content-Type": "image/png"}).status_code == 200, name

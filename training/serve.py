@@ -1,0 +1,351 @@
+"""`imgcls serve`: a model folder (`imgcls publish`) or a checkpoint behind an HTTP endpoint, with LitServe's dynamic
+batching.
+
+    imgcls serve runs/quickstart/published --port 8000 --max_batch_size 32 --batch_timeout 0.01
+    curl -X POST --data-binary @cat.jpg -H "Content-Type: image/jpeg" http://127.0.0.1:8000/predict
+
+POST /predict takes one image as the raw body (Content-Type image/* or application/octet-stream), one or more files as
+multipart/form-data, or JSON {"images": [base64, ...]}; it answers {"predictions": [one per image]}. GET /health
+answers "ok" once the model is loaded. Bad input gets a 4xx whose JSON `detail` is one line; docs/SERVING.md has the
+schema and the error table. The preprocessing is the model's evaluation transform (its input contract).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import io
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import litserve as ls
+import torch
+
+log = logging.getLogger("imgcls.serve")
+
+API_PATH = "/predict"
+BATCH_HEADER = "X-Imgcls-Batch"  # images in the batch that answered this request, for clients that watch batching
+DEFAULT_MAX_BYTES = 20 * 2**20
+DEFAULT_MAX_PIXELS = 40_000_000  # per image; PIL's own bomb check starts at 89 MP, a 50 MP photo is refused here
+RAW_TYPES = ("image/", "application/octet-stream")
+
+
+@dataclass
+class Served:
+    """What serving needs of a model: the network in eval mode, its preprocessing, its classes and kind."""
+
+    model: torch.nn.Module
+    contract: dict[str, Any]
+    class_names: list[str]
+    multilabel: bool
+    threshold: float | None
+
+
+def eval_transform(contract: dict[str, Any]):
+    """The evaluation transform of an input contract: uint8 (3, H, W) RGB -> float (3, S, S); the one place serving
+    reads the contract."""
+    from datamodules.presets import eval_preset
+
+    return eval_preset(contract)
+
+
+def check_model_path(path: str | Path, threshold: float | None) -> None:
+    """Raises a one-line error for a path that is neither a model folder nor an imgcls checkpoint; a multi-label
+    checkpoint needs --threshold (a folder carries its own)."""
+    from lightning_modules.pretrained import read_config
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        read_config(path)  # raises naming the file and the fix
+        return
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass a model folder of imgcls publish or a checkpoint")
+    from training.publish import read_run
+
+    saved, _, _ = read_run(path)
+    if saved.model.get("multilabel") and threshold is None:
+        raise ValueError(f"{path} is a multi-label checkpoint, whose threshold is not saved: pass --threshold T")
+
+
+def load_served(path: str | Path, threshold: float | None = None) -> Served:
+    """The model of a folder (from_pretrained) or a checkpoint (the validated weights), on the CPU, fp32."""
+    from lightning_modules import ImageClassifier
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        model = ImageClassifier.from_pretrained(path, threshold=threshold)
+        contract = model.input_contract
+    else:
+        from training.export import load_for_export
+
+        model, contract = load_for_export(path)
+        if threshold is not None:
+            model.threshold = threshold
+    multilabel = bool(model.hparams.get("multilabel"))
+    return Served(model, contract, list(model.class_names), multilabel, model.threshold if multilabel else None)
+
+
+class Rejected:
+    """A request that cannot be answered: its HTTP status and one-line reason (kept out of the batch, so that one bad
+    image fails only its own request)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        self.status, self.reason = status, reason
+
+
+def _reject(status: int, reason: str):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"detail": reason}, status_code=status)
+
+
+class ImageBody:
+    """ASGI middleware before LitServe's /predict, which reads JSON or forms only: a raw image body or multipart files
+    become JSON {"images": [base64]}; an empty body (400), a body over `max_bytes` (413) and any other content type
+    (415) are answered here, in one line."""
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != API_PATH:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        kind = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        declared = headers.get(b"content-length", b"").decode("latin-1")
+        too_big = _reject(413, f"the body is over the limit of {self.max_bytes:,} bytes (imgcls serve --max_bytes)")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await too_big(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await too_big(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+        if not body:
+            await _reject(400, "the body is empty: post an image (Content-Type image/jpeg, image/png, ...), "
+                               "multipart/form-data files, or JSON {\"images\": [base64, ...]}")(scope, receive, send)
+            return
+        if kind == "application/json":
+            try:
+                json.loads(body)
+            except ValueError as err:
+                await _reject(422, f"the JSON body does not parse ({err})")(scope, receive, send)
+                return
+            images = None
+        elif kind.startswith(RAW_TYPES):
+            images = [bytes(body)]
+        elif kind == "multipart/form-data":
+            images = await _form_files(scope, bytes(body))
+            if not images:
+                await _reject(400, "the multipart body holds no file: send each image as a file field")(
+                    scope, receive, send)
+                return
+        else:
+            await _reject(415, f"Content-Type {kind or 'none'!r} is not accepted: send image/jpeg, image/png (any "
+                               "image/*), application/octet-stream, multipart/form-data or application/json")(
+                scope, receive, send)
+            return
+        if images is not None:
+            body = json.dumps({"images": [base64.b64encode(b).decode("ascii") for b in images]}).encode()
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"]
+                                         if k not in (b"content-type", b"content-length")]
+                         + [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _form_files(scope, body: bytes) -> list[bytes]:
+    from starlette.datastructures import UploadFile
+    from starlette.requests import Request
+
+    async def once():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    form = await Request(scope, once).form()
+    return [await value.read() for _, value in form.multi_items() if isinstance(value, UploadFile)]
+
+
+def decode_image(data: bytes, max_pixels: int) -> torch.Tensor | Rejected:
+    """An image file's bytes -> uint8 (3, H, W) RGB (the pixels `imgcls predict` reads), or why not."""
+    from PIL import Image, UnidentifiedImageError
+
+    from datamodules.images import decode_bytes
+
+    try:
+        with Image.open(io.BytesIO(data)) as header:  # reads the header only: the size before any decoding
+            width, height = header.size
+    except (UnidentifiedImageError, OSError, ValueError):
+        return Rejected(422, f"the body ({len(data):,} bytes) is not an image PIL can read (JPEG, PNG, WebP, ...)")
+    if width * height > max_pixels:
+        return Rejected(413, f"the image is {width}x{height} = {width * height / 1e6:.1f} megapixels, over the limit "
+                             f"of {max_pixels / 1e6:g} (imgcls serve --max_pixels)")
+    try:
+        return decode_bytes(data)
+    except (OSError, ValueError, RuntimeError, Image.DecompressionBombError) as err:
+        return Rejected(422, f"the image could not be decoded ({str(err).splitlines()[0][:120]}): a truncated or "
+                             "damaged file?")
+
+
+class ImageClassifierAPI(ls.LitAPI):
+    """Decode and preprocess per request (in the inference worker), one forward pass per batch of requests."""
+
+    def __init__(self, model_path: str, *, threshold: float | None, top_k: int, max_pixels: int, threads: int,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model_path, self.threshold, self.top_k = model_path, threshold, top_k
+        self.max_pixels, self.threads = max_pixels, threads
+
+    def setup(self, device) -> None:
+        torch.set_num_threads(self.threads)
+        logging.basicConfig(level=os.environ.get("IMGCLS_SERVE_LOG", "INFO"), format="%(name)s: %(message)s")
+        served = load_served(self.model_path, self.threshold)
+        self.model = served.model.to(device)
+        self.device, self.served = device, served
+        self.transform = eval_transform(served.contract)
+        log.info("serving %s on %s: %d classes, %s", self.model_path, device, len(served.class_names),
+                 "multi-label" if served.multilabel else "single-label")
+
+    def decode_request(self, request: dict):
+        images = request.get("images") if isinstance(request, dict) else None
+        if not isinstance(images, list) or not images or not all(isinstance(i, str) for i in images):
+            return Rejected(422, 'JSON bodies are {"images": [base64 of an image file, ...]}')
+        tensors = []
+        for index, text in enumerate(images):
+            try:
+                data = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                return Rejected(422, f"images[{index}] is not base64")
+            image = decode_image(data, self.max_pixels)
+            if isinstance(image, Rejected):
+                if len(images) > 1:
+                    image.reason = f"images[{index}]: {image.reason}"
+                return image
+            tensors.append(self.transform(image))
+        return torch.stack(tensors)  # (N, 3, S, S) for the N images of this request
+
+    def batch(self, inputs: list):
+        return inputs  # requests hold 1..N images each: stacked in predict
+
+    @torch.inference_mode()
+    def predict(self, inputs: list) -> list:
+        if not isinstance(inputs, list):  # max_batch_size 1: LitServe passes the one request's input as it is
+            return self.predict([inputs])[0]
+        good = [x for x in inputs if not isinstance(x, Rejected)]
+        if not good:
+            return inputs
+        batch = torch.cat(good).to(self.device)
+        logits = self.model(batch).float()
+        probs = (logits.sigmoid() if self.served.multilabel else logits.softmax(dim=1)).cpu()
+        log.debug("batch of %d requests, %d images", len(good), len(batch))
+        parts = iter(probs.split([len(x) for x in good]))
+        return [x if isinstance(x, Rejected) else (next(parts), len(batch)) for x in inputs]
+
+    def unbatch(self, output: list) -> list:
+        return output
+
+    def encode_response(self, output):
+        from starlette.responses import JSONResponse
+
+        if isinstance(output, Rejected):
+            return JSONResponse({"detail": output.reason}, status_code=output.status)
+        probs, batch_images = output
+        return JSONResponse({"predictions": [self.describe(p) for p in probs]},
+                            headers={BATCH_HEADER: str(batch_images)})
+
+    def describe(self, probs: torch.Tensor) -> dict:
+        names, k = self.served.class_names, min(self.top_k, len(probs))
+        top = probs.topk(k)
+        top_k = [{"label": names[i], "score": round(float(p), 6)} for p, i in zip(top.values, top.indices,
+                                                                                 strict=True)]
+        if self.served.multilabel:
+            chosen = [{"label": names[i], "score": round(float(probs[i]), 6)}
+                      for i in range(len(names)) if probs[i] >= self.served.threshold]
+            return {"labels": chosen, "threshold": self.served.threshold, "top_k": top_k}
+        return {"label": top_k[0]["label"], "score": top_k[0]["score"], "top_k": top_k}
+
+
+def choose_workers(accelerator: str, cores: int) -> tuple[int, int, str]:
+    """(inference workers per device, torch threads per worker, why): workers x threads never exceeds the cores."""
+    if accelerator == "cuda":
+        threads = max(1, cores // 2)
+        return 2, threads, f"2 workers per GPU (one decodes while the other runs the batch), {threads} threads each"
+    workers = max(1, cores // 4)  # a worker needs a few threads for its batch's convolutions
+    threads = max(1, cores // workers)
+    return workers, threads, f"{workers} worker(s) x {threads} torch threads on {cores} cores"
+
+
+def build_server(args: argparse.Namespace) -> ls.LitServer:
+    accelerator = args.accelerator
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers, threads, why = choose_workers(accelerator, cores)
+    if args.workers_per_device:
+        workers, threads = args.workers_per_device, max(1, cores // args.workers_per_device)
+        why = f"{workers} worker(s) (--workers_per_device) x {threads} torch threads on {cores} cores"
+    print(f"imgcls serve: {accelerator}, {why}; max_batch_size {args.max_batch_size}, batch_timeout "
+          f"{args.batch_timeout} s", flush=True)
+    api = ImageClassifierAPI(str(args.model), threshold=args.threshold, top_k=args.top_k, max_pixels=args.max_pixels,
+                       threads=threads, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
+                       api_path=API_PATH)
+    return ls.LitServer(api, accelerator=accelerator, devices=args.devices, workers_per_device=workers,
+                        timeout=args.timeout, middlewares=[(ImageBody, {"max_bytes": args.max_bytes})])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="imgcls serve", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="a model folder of imgcls publish, or a checkpoint of imgcls fit")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to answer other machines")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max_batch_size", type=int, default=32, help="requests per forward pass, at most")
+    p.add_argument("--batch_timeout", type=float, default=0.01, help="seconds a batch waits to fill up")
+    p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--devices", default="auto", help="GPUs to use (auto: all)")
+    p.add_argument("--workers_per_device", type=int, help="inference processes per device (default: by the cores)")
+    p.add_argument("--top_k", type=int, default=5, help="labels per answer (single-label)")
+    p.add_argument("--threshold", type=float, help="multi-label: the folder's threshold, or this")
+    p.add_argument("--max_bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest body accepted (else 413)")
+    p.add_argument("--max_pixels", type=int, default=DEFAULT_MAX_PIXELS, help="largest image accepted (else 413)")
+    p.add_argument("--timeout", type=float, default=30, help="seconds a request may wait before a 504")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from training.checkpointing import UnsafeCheckpointError
+
+    try:
+        check_model_path(args.model, args.threshold)
+        if args.max_batch_size < 1 or args.batch_timeout < 0:
+            raise ValueError("--max_batch_size must be >= 1 and --batch_timeout >= 0")
+        devices = args.devices if args.devices == "auto" else int(args.devices)
+    except (FileNotFoundError, ValueError, UnsafeCheckpointError) as err:
+        print(f"imgcls serve: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    args.devices = devices
+    server = build_server(args)
+    server.run(host=args.host, port=args.port, generate_client_file=False, num_api_servers=1)
+
+
+if __name__ == "__main__":
+    main()
