@@ -298,15 +298,20 @@ class ImgclsCLI(LightningCLI):
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         if hparams:  # the checkpoint's hyperparameters over the config's, as LightningCLI merges them
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
-        if subcommand != "fit":  # the run's data class and evaluation transform, unless the user set them
-            explicit = self.explicit_of(subcommand)
-            data = self.config[subcommand].data
-            # The parse without defaults still names the default class: only another one counts as the user's.
-            named = explicit_class(explicit, "data")
-            update = evaluation_data(data_args(self.config[subcommand]), explicit_keys(explicit, "data"), saved,
-                                     subcommand, data.class_path, None if _is_default_data(named) else named)
-            if update:
-                self.config = self.parser.parse_object({subcommand: {"data": update}}, self.config)
+        if subcommand != "fit":
+            self._evaluate_as_saved(subcommand, saved)
+
+    def _evaluate_as_saved(self, subcommand: str, saved: SavedRun) -> None:
+        """validate, test and predict of a saved model: the run's data class and evaluation transform, unless the
+        user set them."""
+        explicit = self.explicit_of(subcommand)
+        data = self.config[subcommand].data
+        # The parse without defaults still names the default class: only another one counts as the user's.
+        named = explicit_class(explicit, "data")
+        update = evaluation_data(data_args(self.config[subcommand]), explicit_keys(explicit, "data"), saved,
+                                 subcommand, data.class_path, None if _is_default_data(named) else named)
+        if update:
+            self.config = self.parser.parse_object({subcommand: {"data": update}}, self.config)
 
     def _from_model_folder(self, subcommand: str, folder: str) -> None:
         """--model.weights FOLDER (`imgcls publish`): its network always; for validate, test and predict also its
@@ -318,6 +323,8 @@ class ImgclsCLI(LightningCLI):
         rank_zero_info(f"{subcommand}: the network of the model folder model.weights={folder}"
                        + ("" if subcommand == "fit" else ", with its classes and preprocessing"))
         self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+        if subcommand != "fit":
+            self._evaluate_as_saved(subcommand, saved)
 
     def _checkpoint_to_evaluate(self, subcommand: str, config) -> str | None:
         """validate, test or predict without --ckpt_path: the run directory's best checkpoint, else the pretrained

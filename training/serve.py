@@ -48,11 +48,17 @@ class Served:
 
 
 def eval_transform(contract: dict[str, Any]):
-    """The evaluation transform of an input contract: uint8 (3, H, W) RGB -> float (3, S, S); the one place serving
-    reads the contract."""
-    from datamodules.presets import eval_preset
+    """The evaluation transform of an input contract: uint8 (3, H, W) RGB -> float (3, S, S), the transform the run
+    was validated with (a shipped preset or the user's own, `datamodules.transforms`) then the contract's scaling and
+    normalisation; the one place serving reads the contract."""
+    from datamodules.presets import float_stage
+    from datamodules.transforms import ThenFloat, build_transform, eval_transform_config
 
-    return eval_preset(contract)
+    config = eval_transform_config(contract)
+    if config is None:
+        raise ValueError("the model's input contract names no evaluation transform (a model published from Python?); "
+                         "publish it from a checkpoint of imgcls fit")
+    return ThenFloat(build_transform(config), float_stage(contract.get("mean"), contract.get("std")))
 
 
 def check_model_path(path: str | Path, threshold: float | None) -> None:
