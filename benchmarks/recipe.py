@@ -25,12 +25,12 @@ INGREDIENTS: dict[str, list[str]] = {
     "baseline: quickstart recipe (label smoothing 0.1)": [],
     "+ TrivialAugmentWide": ["--data.auto_augment", "trivialaugment"],
     "+ random erasing 0.1": ["--data.random_erasing", "0.1"],
-    "+ mixup 0.2 / CutMix 1.0": ["--model.mixup_alpha", "0.2", "--model.cutmix_alpha", "1.0"],
+    "+ mixup 0.2 / CutMix 1.0": ["--model.recipe.mixup_alpha", "0.2", "--model.recipe.cutmix_alpha", "1.0"],
     "+ EMA of the weights (decay 0.99)": EMA,
     "+ repeated augmentation x3": ["--data.repeated_augmentation", "3"],
     "+ FixRes: train 32 px, evaluate 40 px": ["--data.eval_image_size", "40"],
-    "all of the above": ["--data.auto_augment", "trivialaugment", "--data.random_erasing", "0.1", "--model.mixup_alpha",
-                         "0.2", "--model.cutmix_alpha", "1.0", *EMA, "--data.repeated_augmentation", "3",
+    "all of the above": ["--data.auto_augment", "trivialaugment", "--data.random_erasing", "0.1",
+                         "--model.recipe.mixup_alpha", "0.2", "--model.recipe.cutmix_alpha", "1.0", *EMA, "--data.repeated_augmentation", "3",
                          "--data.eval_image_size", "40"],
 }
 QUICK = ["all of the above"]  # checks that every ingredient runs together
@@ -40,7 +40,8 @@ def fit(data: Path, run_dir: Path, extra: list[str], seed: int, epochs: int, qui
     """One `imgcls fit`; its validations as {epoch, val_acc, seconds since launch}."""
     args = [sys.executable, "-m", "training.cli", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
             "--data.root", str(data), "--trainer.default_root_dir", str(run_dir), "--seed_everything", str(seed),
-            "--model.arch", "resnet18", "--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false",
+            "--model.net.arch", "resnet18", "--trainer.max_epochs", str(epochs),
+            "--trainer.enable_progress_bar", "false",
             "--trainer.enable_checkpointing", "false", "--trainer.callbacks=[]",
             "--trainer.callbacks+=benchmarks.time_to_accuracy.EpochClock", *extra]
     if quick:
@@ -82,7 +83,7 @@ def render(result: dict) -> tuple[str, str]:
              "on a network trained at 32 px changes its last feature map from 1x1 to 2x2 at 40 px, features it never "
              "saw (FixRes pays at ImageNet sizes, 176 to 224 px). Seconds per epoch are wall times on a machine that "
              "other jobs shared during the run (see the load average below): compare them with care.")
-    settings = (f"imgcls fit of configs/quickstart.yaml with model.arch resnet18, 32 px, {result['epochs']} epochs, "
+    settings = (f"imgcls fit of configs/quickstart.yaml with model.net.arch resnet18, 32 px, {result['epochs']} epochs, "
                 f"seeds {', '.join(map(str, result['seeds']))}; val/acc after the last epoch, medians over the seeds; "
                 "s / epoch is the median wall time between validations")
     return body, settings

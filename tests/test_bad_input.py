@@ -190,7 +190,7 @@ CLI_CASES = {
     "BCE label smoothing of 1": (["--model.loss", "lightning_modules.losses.BinaryCrossEntropy",
                                   "--model.loss.label_smoothing", "1.0"],
                                  "model.loss.label_smoothing=1.0 must be in [0, 1)"),
-    "misspelt arch": (["--model.arch", "resnt50"], "model.arch='resnt50' is unknown; did you mean resnet50"),
+    "misspelt arch": (["--model.net.arch", "resnt50"], "model.arch='resnt50' is unknown; did you mean resnet50"),
     "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
 }
 

@@ -79,7 +79,7 @@ def test_fit_help_lists_the_architectures_and_ranges(capsys):
     arch_help = out[start:out.index("--model.weights WEIGHTS", start)]
     for name in ("'resnet50'", "'convnext_tiny'", "'vit_b_16'", "TimmArch"):
         assert name in arch_help
-    assert "NonNegativeFloat" in out[out.index("--model.backbone_lr_ratio"):]
+    assert "NonNegativeFloat" in out[out.index("--model.recipe.backbone_lr_ratio"):]
 
 
 def test_quickstart_fast_dev_run(digits_root, tmp_path):
@@ -171,7 +171,7 @@ def test_production_config_runs_one_batch_on_cpu(tmp_path):
                    "--trainer.devices", "1", "--trainer.fast_dev_run", "1", "--data.root", str(tmp_path / "data"),
                    "--data.num_workers", "0", "--data.batch_size", "4", "--data.image_size", "64",
                    # compile: auto leaves a CPU eager; forced here, so that the config's compiled step runs once in CI.
-                   "--model.compile", "true",
+                   "--model.levers.compile", "true",
                    "--trainer.default_root_dir", str(tmp_path / "run"), env=cli_env(TORCH_HOME=str(tmp_path / "torch")))
     assert "compile on (set in the config)" in proc.stdout + proc.stderr
     # precision: auto resolves from this CPU (32-true without native bf16, bf16-mixed with it), and says why.

@@ -62,7 +62,7 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
         "fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(folder),
         "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.precision", "32-true",
         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.num_sanity_val_steps", "0",
-        "--model.freeze_backbone_epochs", "1", "--model.dropout", "0", "--model.head_hidden", "0",
+        "--model.freeze_backbone_epochs", "1", "--model.net.dropout", "0", "--model.net.head_hidden", "0",
         "--trainer.default_root_dir", str(tmp_path / "run"),
         *_strategy_args(compression="none"), *_probe_args(out, perturb_nonzero_ranks="true", record_tensors="true"),
         env=cli_env(MASTER_PORT=str(free_port())), timeout=300,
@@ -196,7 +196,7 @@ def test_production_config_runs_on_eight_cpu_processes(tmp_path):
         "--data.root", str(root), "--trainer.default_root_dir", str(tmp_path / "run"),
         # 8 inductor compilations cost ~200 s on 2 cores; the compiled path of this config is run once, in one
         # process, by tests/test_cli.py::test_production_config_runs_one_batch_on_cpu.
-        "--model.compile", "false",
+        "--model.levers.compile", "false",
         # The config's 64 images of 224 px per rank: 512 ResNet50 passes per step on 2 cores and GBs of activations
         # per process. With 2 the 8 processes and their loader workers peak at ~9 GB (PSS) in all. At 64 px, as
         # test_cli.py's one-process run of this config, each pass costs a twelfth of one at 224 px.
@@ -360,7 +360,7 @@ def test_two_process_powersgd_fit_exits_0_without_terminate_five_times_in_a_row(
     root = make_image_folder(tmp_path / "images", {str(c): 16 for c in range(10)}, splits=("train",), size=32)
     make_image_folder(root, {str(c): 2 for c in range(10)}, splits=("val",), size=32, seed=1)
     args = [sys.executable, "-m", "training.cli", "fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), *TINY,
-            "--model.weights", "null", "--data.root", str(root), "--trainer.devices", "2",
+            "--model.net.weights", "null", "--data.root", str(root), "--trainer.devices", "2",
             "--trainer.strategy.init_args.compression", "powersgd", "--trainer.max_steps", "3",
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false"]
     for attempt in range(5):

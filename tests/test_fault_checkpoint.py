@@ -332,7 +332,7 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint(tmp_path):
     proc = run_cli(
         "fit", *TINY, "--data.root", str(data), "--data.batch_size", "4", "--trainer.default_root_dir", str(run),
         "--trainer.max_epochs", "3", "--model.optimizer", "torch.optim.SGD", "--model.optimizer.lr", "1e12",
-        "--model.lr_scaling", "none", "--model.lr_scheduler", "lightning_modules.schedules.WarmupCosine",
+        "--model.recipe.lr_scaling", "none", "--model.lr_scheduler", "lightning_modules.schedules.WarmupCosine",
         "--model.lr_scheduler.warmup_epochs", "0",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_last", "true", check=False,

@@ -54,7 +54,7 @@ def checkpoint(tmp_path_factory, digits_root, hub_home):
     """A checkpoint of a tiny run on the digits, fine-tuned from model.weights=IMAGENET1K_V1 with the backbone frozen
     for its one short epoch: its hyperparameters name a torchvision weights enum, as a real fine-tuning run's do."""
     run = tmp_path_factory.mktemp("predict_run")
-    run_cli(*FIT, "--data.root", str(digits_root), "--model.weights", "IMAGENET1K_V1",
+    run_cli(*FIT, "--data.root", str(digits_root), "--model.net.weights", "IMAGENET1K_V1",
             "--model.freeze_backbone_epochs", "1", "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(run),
             env=cli_env(TORCH_HOME=str(hub_home)))
     return run / "checkpoints" / "last.ckpt"
@@ -83,7 +83,7 @@ def test_validate_from_checkpoint_alone_downloads_nothing(checkpoint, digits_roo
 def test_resumed_fit_downloads_nothing_and_keeps_the_configured_weights(checkpoint, digits_root, tmp_path,
                                                                         offline_env):
     # The run's own settings (its frozen first epoch too): a resume that changes one is refused (test_from_checkpoint).
-    run_cli(*FIT, "--data.root", str(digits_root), "--model.weights", "IMAGENET1K_V1", "--trainer.max_epochs", "2",
+    run_cli(*FIT, "--data.root", str(digits_root), "--model.net.weights", "IMAGENET1K_V1", "--trainer.max_epochs", "2",
             "--model.freeze_backbone_epochs", "1", "--ckpt_path", str(checkpoint), "--trainer.default_root_dir",
             str(tmp_path), env=offline_env)
     assert_nothing_downloaded(offline_env)

@@ -9,14 +9,14 @@ import yaml
 from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
 
 RECIPES = {  # recipe -> keys it must set in the resolved config, and whether it carries an EMA
-    "torchvision_v2": ({"model.mixup_alpha": 0.2, "model.cutmix_alpha": 1.0,
+    "torchvision_v2": ({"model.recipe.mixup_alpha": 0.2, "model.recipe.cutmix_alpha": 1.0,
                         "model.loss.init_args.label_smoothing": 0.1,
                         "data.auto_augment": "trivialaugment", "data.random_erasing": 0.1,
                         "data.repeated_augmentation": 4, "model.optimizer.init_args.lr": 0.125,
                         "model.optimizer.init_args.nesterov": False}, True),
     "rsb_a3": ({"model.optimizer.class_path": "timm.optim.Lamb",
                 "model.loss.class_path": "lightning_modules.losses.BinaryCrossEntropy",
-                "model.loss.init_args.target_threshold": 0.2, "model.mixup_alpha": 0.1,
+                "model.loss.init_args.target_threshold": 0.2, "model.recipe.mixup_alpha": 0.1,
                 "data.auto_augment": "randaugment", "data.auto_augment_magnitude": 6,
                 "model.optimizer.init_args.lr": 0.001, "model.optimizer.init_args.weight_decay": 0.02,
                 "model.lr_scheduler.init_args.warmup_epochs": 5.0}, False),

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
+from lightning_modules.network import without_pretrained_weights
 from training.callbacks import PredictionWriter
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
 from training.errors import exit_code
@@ -129,6 +130,18 @@ MOVED_KEYS = {
     "model.weight_decay": "model.optimizer.weight_decay (an argument of the optimizer)",
     "model.warmup_epochs": "model.lr_scheduler.warmup_epochs, with --model.lr_scheduler "
                            "lightning_modules.schedules.WarmupCosine",
+    **{f"model.{key}": f"model.net.{key} (an argument of the network, lightning_modules.network.BackboneWithHead)"
+       for key in ("arch", "weights", "head_hidden", "dropout")},
+    "model.lr_scaling": "model.recipe.lr_scaling",
+    "model.decay_norms_and_biases": "model.recipe.decay_norms_and_biases",
+    "model.mixup_alpha": "model.recipe.mixup_alpha",
+    "model.cutmix_alpha": "model.recipe.cutmix_alpha",
+    "model.backbone_lr_ratio": "model.recipe.backbone_lr_ratio",
+    "model.channels_last": "model.levers.channels_last",
+    "model.compile": "model.levers.compile",
+    "model.optimizer_impl": "model.levers.optimizer_impl",
+    "model.freeze_backbone_epochs": "a callback: --trainer.callbacks+=training.freezing.FreezeBackbone "
+                                    "--trainer.callbacks.epochs N",
     "data.format": "data.class_path: the data source is a class (LitData shards: --data.class_path "
                    "datamodules.ShardsDataModule; the image folder, datamodules.ImageFolderDataModule, is the "
                    "default: drop data.format folder)",
@@ -295,9 +308,10 @@ class ImgclsCLI(LightningCLI):
             rank_zero_info(f"{subcommand}: no --ckpt_path, so the best checkpoint of {folder}: {path}"
                            + (f" ({score})" if score else ""))
             return path
-        if config.model.get("weights"):
+        weights = (config.model.get("net") or {}).get("init_args", {}).get("weights")
+        if weights:
             rank_zero_info(f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: evaluating "
-                           f"the pretrained weights model.weights={config.model.weights} with an untrained head")
+                           f"the pretrained weights model.net.weights={weights} with an untrained head")
             return None
         raise NoCheckpointError(
             f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: the network is untrained; "
@@ -383,13 +397,16 @@ class ImgclsCLI(LightningCLI):
 
 class _ModelInstantiator(_InstantiatorFn):
     """With a ckpt_path (validate, test, predict, a resumed fit) the checkpoint overwrites every weight, so the
-    network is built without `model.weights`: no download, which offline machines cannot make. The hyperparameters
-    come from the config, so config.yaml and new checkpoints keep the configured weights for a fresh fit."""
+    network is built without its `weights` argument (model.net.weights): no download, which offline machines cannot
+    make. The hyperparameters come from the config, so config.yaml and new checkpoints keep the configured weights for
+    a fresh fit."""
 
     def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
-        if kwargs.get("weights") and self.cli.config[self.cli.subcommand].get("ckpt_path"):
-            rank_zero_info(f"model.weights={kwargs['weights']} not loaded: the checkpoint supplies every weight")
-            kwargs["weights"] = None
+        net = kwargs.get("net")
+        if self.cli.config[self.cli.subcommand].get("ckpt_path") and without_pretrained_weights(net) is not net:
+            rank_zero_info(f"model.net.weights={net.keywords['weights']} not loaded: the checkpoint supplies every "
+                           "weight")
+            kwargs["net"] = without_pretrained_weights(net)
         return super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
 
 
