@@ -167,8 +167,8 @@ def load_backbone_weights(net: nn.Module, arch: str, weights: str, head_prefix: 
     wrong_shape = [k for k in backbone if k in own and backbone[k].shape != own[k].shape]
     if missing or unexpected or wrong_shape:
         raise ValueError(
-            f"model.net.weights={weights} does not fit {arch}: {len(missing)} missing, {len(unexpected)} unexpected and "
-            f"{len(wrong_shape)} wrongly shaped tensors (e.g. {(missing + unexpected + wrong_shape)[:3]}); "
+            f"model.net.weights={weights} does not fit {arch}: {len(missing)} missing, {len(unexpected)} unexpected "
+            f"and {len(wrong_shape)} wrongly shaped tensors (e.g. {(missing + unexpected + wrong_shape)[:3]}); "
             f"is it a {arch} state dict?"
         )
     net.load_state_dict(backbone, strict=False)  # strict=False: only the classifier is left as initialised
@@ -245,15 +245,16 @@ def _state_dict_from_timm(arch: str, weights: str) -> dict[str, torch.Tensor]:
     """timm's pretrained weights of `arch` (weights=DEFAULT), from timm's cache or the Hugging Face Hub."""
     name = _timm_name(arch)
     if weights != "DEFAULT":
-        raise ValueError(f"model.net.weights={weights!r} for {arch}: use DEFAULT (timm's pretrained weights; the tag goes "
-                         "in the name, e.g. timm/resnet50.a1_in1k), a weights file, or null")
+        raise ValueError(f"model.net.weights={weights!r} for {arch}: use DEFAULT (timm's pretrained weights; the tag "
+                         "goes in the name, e.g. timm/resnet50.a1_in1k), a weights file, or null")
     timm = _timm()
     try:
         return timm.create_model(name, pretrained=True).state_dict()
     except Exception as err:  # no network, no cached file, a gated repository...
         hub_id = timm.get_pretrained_cfg(name).hf_hub_id if timm.get_pretrained_cfg(name) else None
         where = (f"download https://huggingface.co/{hub_id}/resolve/main/model.safetensors and pass "
-                 "model.net.weights=/path/to/model.safetensors" if hub_id else "pass model.net.weights=/path/to/weights file")
+                 "model.net.weights=/path/to/model.safetensors" if hub_id
+                 else "pass model.net.weights=/path/to/weights file")
         raise RuntimeError(f"could not load timm's pretrained weights for {arch} ({type(err).__name__}: "
                            f"{str(err).splitlines()[0][:200]}); without network access, {where}") from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -16,7 +17,7 @@ from PIL import Image
 import datamodules.bad_images as bad_images
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import find_bad_images, image_problem
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier
 from tests.helpers import CONFIGS, TINY, make_image_folder, run_cli
 from training.cli import main
 
@@ -108,7 +109,8 @@ def test_skip_logs_the_bad_files_and_trains_on_the_rest(tmp_path, caplog):
     root, bad = _bad_dataset(tmp_path)
     dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32, bad_images="skip",
                                persistent_workers=False)
-    model = ImageClassifier(num_classes=2, class_names=dm.class_names, arch="resnet18", head_hidden=8, batch_size=4)
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                            class_names=dm.class_names, batch_size=4)
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path)

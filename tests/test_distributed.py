@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from benchmarks.distributed import _train_step, count_allreduce_bytes, expected_allreduce_bytes, wrap_ddp
 from datamodules import ImageFolderDataModule
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier
 from lightning_modules.network import build_network
 from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
@@ -39,7 +39,7 @@ def _fit(images, tmp_path, strategy, max_steps: int, ckpt_path=None, name="run")
     """Fit a tiny resnet18 with `strategy` in this process; the Probe holds what happened."""
     L.seed_everything(0)
     data = ImageFolderDataModule(str(images), batch_size=4, num_workers=0, image_size=32, preset="none")
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, dropout=0.0,
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0, dropout=0.0),
                             optimizer=partial(torch.optim.SGD, lr=0.4, momentum=0.9, nesterov=True, weight_decay=1e-4))
     probe = Probe(str(tmp_path / name / "probe"))
     trainer = L.Trainer(

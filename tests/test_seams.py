@@ -14,7 +14,7 @@ import torch
 import yaml
 from torch import nn
 
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier
 from lightning_modules.losses import BinaryCrossEntropy
 from lightning_modules.optim import rescale_learning_rates
 from lightning_modules.schedules import WarmupCosine
@@ -41,7 +41,8 @@ def test_a_loss_meets_the_contract(loss):
 
 def test_the_model_trains_and_evaluates_with_the_loss_it_is_given():
     """train/loss and val/loss are the injected loss, not a cross-entropy of the model's own."""
-    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss=FocalLoss(gamma=2.0))
+    model = ImageClassifier(num_classes=4, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                            loss=FocalLoss(gamma=2.0))
     logits, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 0])
     torch.testing.assert_close(model.loss(logits, y), FocalLoss(2.0)(logits, y))
     assert "loss" not in model.hparams  # an object from Python: not in the weights_only checkpoint
@@ -121,7 +122,7 @@ def test_the_world_size_rescale_doubles_every_learning_rate_of_any_optimizer_and
 
 
 def test_a_python_optimizer_and_scheduler_are_left_out_of_the_hyperparameters():
-    model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0,
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
                             optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01),
                             lr_scheduler=partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1))
     assert "optimizer" not in model.hparams and "lr_scheduler" not in model.hparams  # weights_only could not load them
@@ -129,8 +130,8 @@ def test_a_python_optimizer_and_scheduler_are_left_out_of_the_hyperparameters():
 
 
 def test_a_users_scheduler_gets_the_runs_length_from_the_model():
-    model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0, batch_size=256, lr_scheduler=LinearDecay,
-                            optimizer=partial(torch.optim.SGD, lr=0.4))
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                            batch_size=256, lr_scheduler=LinearDecay, optimizer=partial(torch.optim.SGD, lr=0.4))
     model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False)
     with mock.patch.object(type(model.trainer), "estimated_stepping_batches", 8):
         config = model.configure_optimizers()
