@@ -57,6 +57,10 @@ TINY = [
 ]
 
 
+# `imgcls fit` arguments that freeze the network's backbone for epoch 0 (configs/callbacks/finetune.yaml's callback).
+FREEZE_FIRST_EPOCH = ["--trainer.callbacks+=training.freezing.FreezeBackbone", "--trainer.callbacks.epochs", "1"]
+
+
 LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
 

@@ -44,7 +44,7 @@ def _print_config(*args: str) -> dict:
 def test_every_shipped_config_parses(config):
     # Overlays (loggers/, fsdp.yaml) are partial: each file is parsed on top of the quickstart, as users compose them.
     printed = _print_config("--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config))
-    assert printed["model"]["arch"].startswith(("resnet", "wide_resnet"))
+    assert printed["model"]["net"]["init_args"]["arch"].startswith(("resnet", "wide_resnet"))
     assert printed["trainer"]["default_root_dir"]
 
 
@@ -56,7 +56,8 @@ def test_production_config_prints_on_its_own():
     assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
     data = printed["data"]
     assert data["class_path"] == "datamodules.ImageFolderDataModule"  # the default data source
-    assert (model["arch"], model["weights"], data["init_args"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
+    net = model["net"]["init_args"]
+    assert (net["arch"], net["weights"], data["init_args"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
     monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"]
                  if c["class_path"].endswith("ModelCheckpoint")]
     assert "val/acc" in monitored

@@ -225,8 +225,8 @@ def test_fsdp_config_builds_block_sharded_fsdp2_for_large_backbones():
     proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
                    "--print_config", timeout=120)
     config = yaml.safe_load(proc.stdout)
-    assert config["model"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
-    assert config["model"]["optimizer_impl"] == "foreach" and config["trainer"]["precision"] == "bf16-mixed"
+    assert config["model"]["net"]["init_args"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
+    assert config["model"]["levers"]["optimizer_impl"] == "foreach" and config["trainer"]["precision"] == "bf16-mixed"
     assert config["trainer"]["strategy"]["class_path"] == "training.fsdp.FSDP2Strategy"
 
     strategy = _strategy_from_yaml((CONFIGS / "fsdp.yaml").read_text())

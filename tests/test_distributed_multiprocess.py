@@ -25,7 +25,18 @@ from torchvision.models import ResNet50_Weights
 from core import hardware
 from lightning_modules import ImageClassifier
 from tests.distributed_probe import Probe
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, join_ranks, kill_args, make_image_folder, run_cli
+from tests.helpers import (
+    CONFIGS,
+    FREEZE_FIRST_EPOCH,
+    ROOT,
+    TINY,
+    cli_env,
+    free_port,
+    join_ranks,
+    kill_args,
+    make_image_folder,
+    run_cli,
+)
 from training.strategy import CompressedDDPStrategy
 
 pytestmark = pytest.mark.slow
@@ -62,7 +73,7 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
         "fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(folder),
         "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.precision", "32-true",
         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.num_sanity_val_steps", "0",
-        "--model.freeze_backbone_epochs", "1", "--model.net.dropout", "0", "--model.net.head_hidden", "0",
+        *FREEZE_FIRST_EPOCH, "--model.net.dropout", "0", "--model.net.head_hidden", "0",
         "--trainer.default_root_dir", str(tmp_path / "run"),
         *_strategy_args(compression="none"), *_probe_args(out, perturb_nonzero_ranks="true", record_tensors="true"),
         env=cli_env(MASTER_PORT=str(free_port())), timeout=300,
@@ -254,7 +265,7 @@ def test_torchrun_two_nodes_with_elastic_restart_resume(tmp_path, folder):
         *_probe_args(out, fail_rank=3, fail_step=3), "--ckpt_path", "last",
         # The backbone thaws at epoch 1, where the restarted workers resume: DDP must be wrapped again to all-reduce
         # its gradients, or the 4 ranks' weights part (the equal digests below).
-        "--model.freeze_backbone_epochs", "1",
+        *FREEZE_FIRST_EPOCH,
     ]
     nodes = [
         subprocess.Popen(

@@ -153,7 +153,9 @@ def test_rmsprop_with_one_cycle_by_class_path_alone_fits_and_resumes_after_kill9
     cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu",
                           enable_progress_bar=False, enable_model_summary=False)
     cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False, **ONE_CYCLE)
+    cfg["model"]["net"]["init_args"].update(arch="resnet18", head_hidden=32)
+    cfg["model"]["levers"]["channels_last"] = False
+    cfg["model"].update(**ONE_CYCLE)
     cfg["data"].update(root=str(data), batch_size=4, num_workers=0, image_size=32)
     config = tmp_path / "one_cycle.yaml"
     config.write_text(yaml.safe_dump(cfg))
