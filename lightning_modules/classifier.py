@@ -32,7 +32,7 @@ from lightning_modules.optim import (
     rescale_learning_rates,
     target_of,
 )
-from lightning_modules.settings import Levers, Recipe, as_settings
+from lightning_modules.settings import DEFAULT_LEVERS, DEFAULT_RECIPE, Levers, Recipe, as_settings
 from lightning_modules.targets import batch_mix, split_metrics
 
 
@@ -91,8 +91,8 @@ class ImageClassifier(L.LightningModule):
         loss: nn.Module | None = None,
         batch_size: PositiveInt = 64,
         input_contract: dict | None = None,
-        recipe: Recipe | None = None,
-        levers: Levers | None = None,
+        recipe: Recipe = DEFAULT_RECIPE,
+        levers: Levers = DEFAULT_LEVERS,
     ) -> None:
         check_arguments("model", ImageClassifier.__init__, {"threshold": threshold, "batch_size": batch_size})
         recipe, levers = as_settings(Recipe, recipe), as_settings(Levers, levers)

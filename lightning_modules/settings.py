@@ -46,6 +46,9 @@ class Levers:
         check_arguments("model.levers", Levers, asdict(self))
 
 
+DEFAULT_RECIPE, DEFAULT_LEVERS = Recipe(), Levers()  # frozen: safe as argument defaults
+
+
 def as_settings(kind: type, value):
     """`value` (None, a dict from a checkpoint's hyperparameters, or an instance) as an instance of `kind`."""
     if value is None:

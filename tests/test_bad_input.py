@@ -192,7 +192,7 @@ CLI_CASES = {
     "BCE label smoothing of 1": (["--model.loss", "lightning_modules.losses.BinaryCrossEntropy",
                                   "--model.loss.label_smoothing", "1.0"],
                                  "model.loss.label_smoothing=1.0 must be in [0, 1)"),
-    "misspelt arch": (["--model.net.arch", "resnt50"], "model.arch='resnt50' is unknown; did you mean resnet50"),
+    "misspelt arch": (["--model.net.arch", "resnt50"], "model.net.arch='resnt50' is unknown; did you mean resnet50"),
     "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
 }
 
@@ -214,7 +214,8 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--model.lr_scalling", "none"], "--model.lr_scalling is not an option; did you mean --model.lr_scaling"),
+    (["--model.recipe.lr_scalling", "none"],
+     "--model.recipe.lr_scalling is not an option; did you mean --model.recipe.lr_scaling"),
     (["--data.roott", "x"], "--data.roott is not an option; did you mean --data.root"),
     (["--model.optimizer.lrr", "0.1"],
      "model.optimizer.lrr: torch.optim.AdamW takes no argument lrr; did you mean model.optimizer.lr?"),
@@ -240,6 +241,16 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     (["--model.optimizer", "adamw"], "model.optimizer=adamw moved: give the class, --model.optimizer "
                                      "torch.optim.AdamW"),
     (["--model.optimizer", "lamb"], "model.optimizer=lamb moved: give the class, --model.optimizer timm.optim.Lamb"),
+    *[([f"--model.{key}", value], f"--model.{key} moved to --model.net.{key} (an argument of the network, "
+                                  "lightning_modules.network.BackboneWithHead)")
+      for key, value in (("arch", "resnet18"), ("weights", "null"), ("head_hidden", "8"), ("dropout", "0.1"))],
+    *[([f"--model.{key}", value], f"--model.{key} moved to --model.recipe.{key}")
+      for key, value in (("lr_scaling", "none"), ("decay_norms_and_biases", "true"), ("mixup_alpha", "0.2"),
+                         ("cutmix_alpha", "1.0"), ("backbone_lr_ratio", "0.1"))],
+    *[([f"--model.{key}", value], f"--model.{key} moved to --model.levers.{key}")
+      for key, value in (("channels_last", "false"), ("compile", "false"), ("optimizer_impl", "foreach"))],
+    (["--model.freeze_backbone_epochs", "1"], "--model.freeze_backbone_epochs moved to "
+     "--trainer.callbacks+=training.freezing.FreezeBackbone --trainer.callbacks.epochs N (freezing is a callback)"),
 ])
 def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -33,7 +33,14 @@ from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
 import yaml
-from jsonargparse import ArgumentError, ArgumentParser, DefaultHelpFormatter, Namespace, set_dumper
+from jsonargparse import (
+    ArgumentError,
+    ArgumentParser,
+    DefaultHelpFormatter,
+    Namespace,
+    set_dumper,
+    set_parsing_settings,
+)
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
@@ -96,6 +103,8 @@ class _ConfigDumper(yaml.SafeDumper):
 
 _ConfigDumper.add_multi_representer(int, lambda dumper, value: dumper.represent_int(int(value)))
 _ConfigDumper.add_multi_representer(float, lambda dumper, value: dumper.represent_float(float(value)))
+# `--help` shows each settings field's one-line docstring (model.recipe, model.levers: litgpt-style dataclasses).
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_flow_style=False, allow_unicode=True,
                                           sort_keys=False))
 
@@ -140,8 +149,8 @@ MOVED_KEYS = {
     "model.channels_last": "model.levers.channels_last",
     "model.compile": "model.levers.compile",
     "model.optimizer_impl": "model.levers.optimizer_impl",
-    "model.freeze_backbone_epochs": "a callback: --trainer.callbacks+=training.freezing.FreezeBackbone "
-                                    "--trainer.callbacks.epochs N",
+    "model.freeze_backbone_epochs": "trainer.callbacks+=training.freezing.FreezeBackbone --trainer.callbacks.epochs N "
+                                    "(freezing is a callback)",
     "data.format": "data.class_path: the data source is a class (LitData shards: --data.class_path "
                    "datamodules.ShardsDataModule; the image folder, datamodules.ImageFolderDataModule, is the "
                    "default: drop data.format folder)",
@@ -198,11 +207,19 @@ def one_line_error(message: str) -> str:
         return moved
     if "has no attribute" in message and (misspelt := class_path_error(message)):
         return misspelt
-    worded = plain_parser_error(message)
+    worded = callable_error_message(plain_parser_error(message))
     for_class = subclass_error_message(worded)
     if for_class != worded:
         return for_class
     return class_path_error(message) or worded
+
+
+def callable_error_message(message: str) -> str:
+    """jsonargparse's error for a value given to a class that arrives as a callable (model.net, built with
+    num_classes), out of its range or choices, as one line with the key in full: `model.net.arch='resnt50' is ...`."""
+    found = re.match(r'Parser key "([\w.]+)":\s*Type .*? expects a function or a callable class: ([\w.]+=.*?)\. '
+                     r"Got value: ", message, re.DOTALL)
+    return f"{found[1]}.{' '.join(found[2].split())}" if found else message
 
 
 def subclass_error_message(message: str) -> str:
