@@ -261,6 +261,15 @@ def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     assert err.endswith("(`imgcls fit --help` lists every option)")
 
 
+def test_a_moved_key_in_a_config_file_names_its_new_place(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  arch: resnet18\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(old)])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("imgcls: error: model.arch moved to model.net.arch") and "\n" not in err, err[-3000:]
+
+
 def test_bad_images_through_the_command_stop_before_training(tmp_path):
     root, bad = _bad_dataset(tmp_path)
     run = tmp_path / "run"

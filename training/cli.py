@@ -205,6 +205,10 @@ def one_line_error(message: str) -> str:
     moved = moved_value_message(message)
     if moved:
         return moved
+    in_file = re.match(r"(Group|Subcommand) '([\w.]+)' does not accept option '([\w.]+)'", message)  # a config's
+    key = in_file and (in_file[3] if in_file[1] == "Subcommand" else f"{in_file[2]}.{in_file[3]}")
+    if key in MOVED_KEYS:
+        return f"{key} moved to {MOVED_KEYS[key]}"
     if "has no attribute" in message and (misspelt := class_path_error(message)):
         return misspelt
     worded = callable_error_message(plain_parser_error(message))
