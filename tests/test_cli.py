@@ -72,15 +72,20 @@ def test_help_lists_every_command(capsys):
 
 
 def test_fit_help_lists_the_architectures_and_ranges(capsys):
-    """model.arch is a Literal of torchvision's models (or timm/<name>), and the numbers carry their ranges."""
+    """model.net.arch (the default network's) is a Literal of torchvision's models (or timm/<name>), shown by the
+    network's own help; the numbers carry their ranges."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.net.help", "lightning_modules.network.BackboneWithHead"])
+    out = " ".join(capsys.readouterr().out.split())
+    start = out.index("--model.net.arch ARCH any torchvision")  # the help entry, not the usage line
+    arch_help = out[start:out.index("--model.net.weights WEIGHTS", start)]
+    for name in ("'resnet50'", "'convnext_tiny'", "'vit_b_16'", "TimmArch"):
+        assert name in arch_help
+    assert "NonNegativeInt" in out[out.index("--model.net.head_hidden"):]
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    start = out.index("--model.arch ARCH any torchvision")  # the help entry, not the usage line
-    arch_help = out[start:out.index("--model.weights WEIGHTS", start)]
-    for name in ("'resnet50'", "'convnext_tiny'", "'vit_b_16'", "TimmArch"):
-        assert name in arch_help
-    assert "NonNegativeFloat" in out[out.index("--model.recipe.backbone_lr_ratio"):]
+    assert "--model.net.help" in out and "NonNegativeFloat" in out[out.index("--model.recipe.backbone_lr_ratio"):]
 
 
 def test_quickstart_fast_dev_run(digits_root, tmp_path):

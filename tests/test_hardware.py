@@ -168,7 +168,7 @@ def test_a_fit_resolves_every_auto_lever_from_the_machine(machine, digits_root, 
         trainer.fit(model, datamodule=data)
     fused = trainer.optimizers[0].defaults.get("fused")
     loader = trainer.train_dataloader
-    got = (trainer.precision, model.net.conv1.weight.is_contiguous(memory_format=torch.channels_last),
+    got = (trainer.precision, model.net.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last),
            "fused" if fused else "default", loader.num_workers)
     assert got == expected
     lines = [r.getMessage() for r in caplog.records]
@@ -181,9 +181,9 @@ def test_explicit_channels_last_applies_without_a_trainer():
     explicit = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
                                levers=Levers(channels_last=True))
     auto = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0))
-    assert explicit.net.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    assert not auto.net.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    with pytest.raises(ValueError, match="model.compile='yes' is unknown; choose true, false or auto"):
+    assert explicit.net.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not auto.net.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="model.levers.compile='yes' is unknown; choose true, false or auto"):
         ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"), levers=Levers(compile="yes"))
 
 
