@@ -56,7 +56,7 @@ class ImageClassifier(L.LightningModule):
             (arch, weights, head_hidden, dropout).
         optimizer: any ``torch.optim`` optimizer by ``class_path`` (``torch.optim.AdamW``, ``timm.optim.Lamb`` with
             ``pip install 'imgcls[timm]'``), with its ``init_args``; from Python any callable params -> Optimizer. It
-            gets the param groups below; its ``lr`` is per 256 images (``lr_scaling``). null: the recipe's SGD (lr 0.1,
+            gets the param groups below; its ``lr`` is per 256 images (``recipe.lr_scaling``). null: the SGD (lr 0.1,
             momentum 0.9, Nesterov, weight decay 1e-4). Contract and example: docs/EXTENDING.md.
         lr_scheduler: any ``torch.optim.lr_scheduler`` class by ``class_path`` (callable optimizer -> LRScheduler),
             stepped every optimizer step; ``total_steps`` and ``steps_per_epoch`` are passed when it takes them and

@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from benchmarks.distributed import _train_step, count_allreduce_bytes, expected_allreduce_bytes, wrap_ddp
 from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier
-from lightning_modules.network import build_network
 from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
 from training.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
@@ -117,7 +116,7 @@ def test_allreduce_bytes_per_step_match_parameter_shapes(master_port):
     torch.manual_seed(0)
     measured, expected = {}, {}
     for compression in ("none", "fp16", "bf16", "powersgd"):
-        net = build_network("resnet50", None, 1024, 0.0, 10)
+        net = BackboneWithHead(10, arch="resnet50", dropout=0.0)
         ddp, _ = wrap_ddp(net, compression, count=True, powersgd_start_iter=2)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
         for _ in range(3):  # buckets rebuilt after step 1; PowerSGD compresses from step 3
@@ -125,7 +124,7 @@ def test_allreduce_bytes_per_step_match_parameter_shapes(master_port):
         with count_allreduce_bytes() as counted:
             _train_step(ddp, optimizer, batch=2, size=32, classes=10)
         measured[compression], expected[compression] = counted["bytes"], expected_allreduce_bytes(net, compression)
-    n_params = sum(p.numel() for p in build_network("resnet50", None, 1024, 0.0, 10).parameters())
+    n_params = sum(p.numel() for p in BackboneWithHead(10, arch="resnet50", dropout=0.0).parameters())
     assert expected["none"] == 4 * n_params
     assert measured == expected
     assert measured["fp16"] == measured["bf16"] == measured["none"] // 2

@@ -96,7 +96,7 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
     # (SyncBatchNorm would too, but torch runs it on CUDA only). The frozen backbone gets no gradient at all.
     model = ImageClassifier.load_from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu")
     model.load_state_dict(r0["initial_state"])  # the weights before the step
-    head = {name for name, _ in model.named_parameters() if name.startswith("net.fc.")}
+    head = {name for name, _ in model.named_parameters() if name.startswith("net.head.")}
     assert set(r0["grads"]) == set(r1["grads"]) == head
     model.train()
     for module in model.modules():

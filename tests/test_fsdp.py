@@ -106,9 +106,9 @@ def test_a_sharded_checkpoint_is_renamed_into_place_and_never_holds_nan(tmp_path
     assert all(torch.equal(t, whole[name]) for name, t in _full_state(single).items())
     before = (path / ".metadata").stat().st_mtime_ns
     with torch.no_grad():
-        model.net.fc.weight.fill_(float("nan"))
+        model.net.head.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteWeightsError, match=r"not writing .*last.ckpt: weight tensor\(s\) hold NaN \(first "
-                                                    r"on this rank: net.fc.weight\)"):
+                                                    r"on this rank: net.head.weight\)"):
         trainer.save_checkpoint(path)
     assert (path / ".metadata").stat().st_mtime_ns == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
@@ -161,7 +161,7 @@ def _rank(local_rank: int, port: int, root: str, out: str) -> None:
         record["seconds"][name] = round(time.perf_counter() - start, 1)
     fsdp, initial = states["fsdp"], record.pop("initial")
     record["trained"] = {n: not torch.equal(fsdp[n], initial[n])
-                         for n in ("net.layer4.2.conv3.weight", "net.fc.0.weight")}
+                         for n in ("net.backbone.layer4.2.conv3.weight", "net.head.0.weight")}
     record["unlike_ddp"] = [n for n, v in fsdp.items() if not torch.allclose(v, states["ddp"][n], rtol=1e-5, atol=1e-6)]
     record["ddp_max_diff"] = max((v.double() - states["ddp"][n].double()).abs().max().item() for n, v in fsdp.items())
     record["unlike_resumed"] = [n for n, v in fsdp.items() if not torch.equal(v, states["resumed"][n])]
@@ -185,7 +185,7 @@ def test_fsdp2_on_two_cpu_processes_shards_equals_ddp_and_resumes_exactly(tmp_pa
 
     for r in (r0, r1):
         # The frozen epoch left the backbone alone, the thawed one trained it; the head trained in both.
-        assert r["trained"] == {"net.layer4.2.conv3.weight": True, "net.fc.0.weight": True}
+        assert r["trained"] == {"net.backbone.layer4.2.conv3.weight": True, "net.head.0.weight": True}
         # DDP's reference run: the same weights and BatchNorm statistics (FSDP2 reduce-scatters what DDP
         # all-reduces; measured bitwise equal).
         assert r["unlike_ddp"] == [], r["ddp_max_diff"]
