@@ -238,9 +238,8 @@ def test_the_declared_head_drives_param_groups_freezing_and_frozen_batchnorm():
     model.train()
     freeze.on_train_batch_start(trainer, model, None, 0)
     assert [m.training for m in model.net.features if isinstance(m, nn.BatchNorm2d)] == [False, False]
-    trainer.current_epoch = 1  # the thaw
+    trainer.current_epoch = 1  # the thaw; Lightning restored each module's mode after validating: no model.train()
     freeze.on_train_epoch_start(trainer, model)
-    model.train()
     freeze.on_train_batch_start(trainer, model, None, 0)
     assert all(p.requires_grad for p in model.net.parameters())
     assert all(m.training for m in model.net.features if isinstance(m, nn.BatchNorm2d))

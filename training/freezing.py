@@ -60,21 +60,32 @@ class FreezeBackbone(Callback):
         self._apply(trainer, pl_module)  # the thaw epoch
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        # After every model.train() (each epoch, and after a validation within one): BatchNorm statistics fixed.
+        # After any model.train() (a fit's start, a fresh process's resume): BatchNorm statistics fixed while frozen.
         if self.epochs and self.frozen(trainer):
-            for module in backbone_modules(pl_module.net):
-                if isinstance(module, BATCH_NORMS):
-                    module.eval()
+            self._set_batch_norms_training(pl_module, False)
 
     def _apply(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """requires_grad of the backbone for the current epoch; DDP re-wrapped when that changed it."""
-        if not self.epochs or not self._set_trainable(pl_module, not self.frozen(trainer)):
+        """requires_grad and the BatchNorm mode of the backbone for the current epoch; DDP re-wrapped when the
+        requires_grad changed."""
+        if not self.epochs:
+            return
+        frozen = self.frozen(trainer)
+        changed = self._set_trainable(pl_module, not frozen)
+        if pl_module.training:  # Lightning restores each module's mode after a validation: eval stays until the thaw
+            self._set_batch_norms_training(pl_module, not frozen)
+        if not changed:
             return
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
             strategy.model = pl_module  # unwrapped, then wrapped again with the backbone's gradient hooks
             strategy.configure_ddp()
             rank_zero_info(f"backbone unfrozen at epoch {trainer.current_epoch}: DDP re-wrapped the model")
+
+    @staticmethod
+    def _set_batch_norms_training(pl_module: L.LightningModule, training: bool) -> None:
+        for module in backbone_modules(pl_module.net):
+            if isinstance(module, BATCH_NORMS):
+                module.train(training)
 
     @staticmethod
     def _set_trainable(pl_module: L.LightningModule, trainable: bool) -> bool:
