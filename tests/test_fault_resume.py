@@ -293,10 +293,12 @@ class _SeedRecorder:
 def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tmp_path, data):
     """accumulate_grad_batches=2: the two micro-batches of one optimizer step must not share dropout masks (a seed
     from the optimizer step would give them the same); rerunning gives the same seeds (resumes depend on it)."""
+    from functools import partial
+
     import lightning as L
 
     from datamodules import ImageFolderDataModule
-    from lightning_modules import ImageClassifier
+    from lightning_modules import BackboneWithHead, ImageClassifier
     from training.faults import ExactResume
 
     class Model(_SeedRecorder, ImageClassifier):
@@ -304,7 +306,7 @@ def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tm
 
     def seeds() -> list[int]:
         L.seed_everything(3)
-        model = Model(num_classes=2, arch="resnet18", head_hidden=8)
+        model = Model(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8))
         model.seeds = []
         trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=0,
                             accumulate_grad_batches=2, callbacks=[ExactResume()], logger=False,
