@@ -2,9 +2,10 @@
 
     python -m benchmarks.compute_levers [--quick]
 
-The levers are the model and trainer options a config sets: channels_last (model.channels_last), bf16 autocast
-(trainer.precision bf16-mixed; 16-mixed on CUDA), torch.compile (model.compile) and foreach / fused optimizers
-(model.optimizer_impl). Each is timed alone against the fp32, NCHW, eager, for-loop-SGD baseline, in the same run.
+The levers are the model and trainer options a config sets: channels_last (model.levers.channels_last), bf16
+autocast (trainer.precision bf16-mixed; 16-mixed on CUDA), torch.compile (model.levers.compile) and foreach / fused
+optimizers (model.levers.optimizer_impl). Each is timed alone against the fp32, NCHW, eager, for-loop-SGD baseline, in
+the same run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import interleaved, lap_times, standalone, table
-from lightning_modules.network import build_network
+from lightning_modules.network import BackboneWithHead
 
 TITLE = "Compute levers"
 BASELINE = "baseline: fp32, NCHW, eager, for-loop SGD"
@@ -38,7 +39,7 @@ def train_step(*, arch: str = "resnet50", size: int = 224, batch: int = 8, chann
                head_hidden: int = 1024, device: str = "cpu") -> Callable[[], None]:
     """One SGD (or AdamW) step of the project's network on a fixed synthetic batch (B, 3, size, size)."""
     torch.manual_seed(0)
-    net = build_network(arch, None, head_hidden, 0.2, 10).to(device)
+    net = BackboneWithHead(10, arch=arch, head_hidden=head_hidden).to(device)
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     if channels_last:

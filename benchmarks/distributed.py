@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import free_port, run_forked, standalone, table
-from lightning_modules.network import build_network
+from lightning_modules.network import BackboneWithHead
 from training.strategy import COMPRESSIONS, build_comm_hook
 
 TITLE = "Distributed: gradient compression (CPU, gloo)"
@@ -104,7 +104,7 @@ def _init_group(rank: int, world: int, port: int) -> None:
 def _measure(job: dict, compression: str) -> dict:
     """Median step time (and with `count`, bytes all-reduced per step) of one freshly built DDP model."""
     torch.manual_seed(0)
-    net = build_network(job["arch"], None, job["head_hidden"], 0.0, job["classes"])
+    net = BackboneWithHead(job["classes"], arch=job["arch"], head_hidden=job["head_hidden"], dropout=0.0)
     ddp, _ = wrap_ddp(net, compression, count=job["count"])
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     for _ in range(job["warmup"]):  # bucket rebuild after step 1, PowerSGD from step 3
@@ -139,7 +139,7 @@ def run_jobs(world: int, jobs: list[dict]) -> list[dict]:
 def _fit_two_processes(compression: str, data: str, run: Path, epochs: int) -> Path:
     """`imgcls fit` of the quickstart recipe on 2 gloo processes with one compression mode; its last.ckpt."""
     cmd = [sys.executable, "-m", "training.cli", "fit", "--config", "configs/quickstart.yaml",
-           "--data.root", data, "--model.arch", "resnet18", "--data.image_size", "32", "--data.batch_size", "32",
+           "--data.root", data, "--model.net.arch", "resnet18", "--data.image_size", "32", "--data.batch_size", "32",
            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
            "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(run),
            "--trainer.enable_model_summary", "false",

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from benchmarks.common import run_forked, standalone, table
-from lightning_modules.network import build_network
+from lightning_modules.network import BackboneWithHead
 from training.fsdp import shard
 
 TITLE = "FSDP2 against DDP: memory per rank (CPU, gloo, 2 processes)"
@@ -69,7 +69,7 @@ def _measure(job: dict) -> dict:
     """Build, wrap and train one network for the job's steps; what this rank holds and its memory peak."""
     baseline = _status_kib("VmRSS")
     torch.manual_seed(0)
-    net = build_network(job["arch"], None, 1024, 0.0, job["classes"])
+    net = BackboneWithHead(job["classes"], arch=job["arch"], head_hidden=1024, dropout=0.0)
     if job["strategy"] == "ddp":
         model = DistributedDataParallel(net, gradient_as_bucket_view=True, bucket_cap_mb=25.0, static_graph=True)
     else:

@@ -116,7 +116,7 @@ def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps:
     """One `imgcls fit` process of the production config on `root`, timed by StepClock; its steps."""
     clock = out / "steps.json"
     args = ["fit", "--config", str(ROOT / "configs" / "imagenet_ddp8.yaml"), "--trainer.devices", "1",
-            "--trainer.strategy", "auto", "--data.root", str(root), "--model.weights", "null",
+            "--trainer.strategy", "auto", "--data.root", str(root), "--model.net.weights", "null",
             "--model.freeze_backbone_epochs", "0", "--trainer.max_steps", str(steps),
             "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
@@ -126,8 +126,8 @@ def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps:
             "--data.num_workers", str(cores()),
             "--trainer.callbacks+=benchmarks.gpu_end_to_end.StepClock", f"--trainer.callbacks.out={clock}"]
     if dry_run:  # tiny: whatever device there is, no compile
-        args += ["--model.arch", "resnet18", "--model.head_hidden", "32", "--data.image_size", "64",
-                 "--data.batch_size", "4", "--model.compile", "false", "--trainer.accelerator", "auto",
+        args += ["--model.net.arch", "resnet18", "--model.net.head_hidden", "32", "--data.image_size", "64",
+                 "--data.batch_size", "4", "--model.levers.compile", "false", "--trainer.accelerator", "auto",
                  "--data.num_workers", "1", "--data.fast_decode", "false"]
     else:
         args += ["--data.batch_size", "256", "--data.image_size", "224", "--trainer.accelerator", "gpu"]

@@ -30,8 +30,8 @@ from benchmarks.common import (
     table,
     verdict,
 )
-from lightning_modules import ImageClassifier
-from lightning_modules.network import build_network
+from lightning_modules import ImageClassifier, Levers
+from lightning_modules.network import BackboneWithHead
 from lightning_modules.schedules import WarmupCosine
 
 TITLE = "Training-loop overhead"
@@ -70,7 +70,7 @@ def lightning_laps(model: ImageClassifier, loader: DataLoader) -> list[float]:
 def plain_loop(arch: str, batch: int):
     """The same recipe in plain PyTorch; returns a function that runs one epoch over a loader and gives its laps."""
     torch.manual_seed(0)
-    net = build_network(arch, None, 1024, 0.2, 10).to(memory_format=torch.channels_last)
+    net = BackboneWithHead(10, arch=arch).to(memory_format=torch.channels_last)
     decay = [p for p in net.parameters() if p.ndim > 1]
     no_decay = [p for p in net.parameters() if p.ndim <= 1]
     lr = 0.1 * batch / 256
@@ -98,9 +98,9 @@ def plain_loop(arch: str, batch: int):
 def measure(arch: str, size: int, batch: int, steps: int, reps: int) -> dict:
     """Both loops' laps per turn (one epoch each, interleaved), their medians and the per-turn ratio's spread."""
     loader = _loader(size, batch, steps)
-    model = ImageClassifier(num_classes=10, arch=arch, batch_size=batch,  # the recipe's SGD, as the plain loop
-                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0), channels_last=True,
-                            optimizer_impl="default")
+    model = ImageClassifier(num_classes=10, net=partial(BackboneWithHead, arch=arch), batch_size=batch,
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0),  # the recipe's SGD, as the plain loop
+                            levers=Levers(channels_last=True, optimizer_impl="default"))
     plain = plain_loop(arch, batch)
     plain(loader)  # warm-up of oneDNN primitives for both (they share the process)
     turns = interleaved_turns({"lightning": lambda: lightning_laps(model, loader), "plain": lambda: plain(loader)},

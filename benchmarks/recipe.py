@@ -25,14 +25,14 @@ INGREDIENTS: dict[str, list[str]] = {
     "baseline: quickstart recipe (label smoothing 0.1)": [],
     "+ TrivialAugmentWide": ["--data.train_transform.auto_augment", "trivialaugment"],
     "+ random erasing 0.1": ["--data.train_transform.random_erasing", "0.1"],
-    "+ mixup 0.2 / CutMix 1.0": ["--model.mixup_alpha", "0.2", "--model.cutmix_alpha", "1.0"],
+    "+ mixup 0.2 / CutMix 1.0": ["--model.recipe.mixup_alpha", "0.2", "--model.recipe.cutmix_alpha", "1.0"],
     "+ EMA of the weights (decay 0.99)": EMA,
     "+ repeated augmentation x3": ["--data.repeated_augmentation", "3"],
     "+ FixRes: train 32 px, evaluate 40 px": ["--data.eval_transform.image_size", "40"],
     "all of the above": ["--data.train_transform.auto_augment", "trivialaugment",
-                         "--data.train_transform.random_erasing", "0.1", "--model.mixup_alpha",
-                         "0.2", "--model.cutmix_alpha", "1.0", *EMA, "--data.repeated_augmentation", "3",
-                         "--data.eval_transform.image_size", "40"],
+                         "--data.train_transform.random_erasing", "0.1",
+                         "--model.recipe.mixup_alpha", "0.2", "--model.recipe.cutmix_alpha", "1.0", *EMA,
+                         "--data.repeated_augmentation", "3", "--data.eval_transform.image_size", "40"],
 }
 QUICK = ["all of the above"]  # checks that every ingredient runs together
 
@@ -41,7 +41,8 @@ def fit(data: Path, run_dir: Path, extra: list[str], seed: int, epochs: int, qui
     """One `imgcls fit`; its validations as {epoch, val_acc, seconds since launch}."""
     args = [sys.executable, "-m", "training.cli", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
             "--data.root", str(data), "--trainer.default_root_dir", str(run_dir), "--seed_everything", str(seed),
-            "--model.arch", "resnet18", "--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false",
+            "--model.net.arch", "resnet18", "--trainer.max_epochs", str(epochs),
+            "--trainer.enable_progress_bar", "false",
             "--trainer.enable_checkpointing", "false", "--trainer.callbacks=[]",
             "--trainer.callbacks+=benchmarks.time_to_accuracy.EpochClock", *extra]
     if quick:

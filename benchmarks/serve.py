@@ -38,13 +38,16 @@ def write_folder(folder: Path, arch: str, size: int) -> Path:
 
     from datamodules.presets import input_contract
     from lightning_modules import ImageClassifier
+    from lightning_modules.pretrained import network_factory
     from training.from_checkpoint import SavedRun
     from training.publish import model_config
 
     torch.manual_seed(0)
     contract = input_contract("imagenet", size)
-    model = ImageClassifier(num_classes=10, arch=arch, head_hidden=1024, channels_last=False, input_contract=contract)
-    saved = SavedRun(folder, dict(model.hparams), {}, 0, None, {})
+    net = {"class_path": "lightning_modules.network.BackboneWithHead", "init_args": {"arch": arch, "head_hidden": 1024}}
+    model = ImageClassifier(num_classes=10, net=network_factory(net), levers={"channels_last": False},
+                            input_contract=contract)
+    saved = SavedRun(folder, {**dict(model.hparams), "net": net}, {}, 0, None, {})
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.net.state_dict().items()}, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(model_config(saved, None, False), indent=2))

@@ -40,7 +40,8 @@ def _quickstart_recipe() -> dict:
     optimizer, schedule = model["optimizer"], model["lr_scheduler"]
     assert optimizer["class_path"] == "torch.optim.AdamW", optimizer  # the plain loop's optimizer
     assert schedule["class_path"] == "lightning_modules.schedules.WarmupCosine", schedule  # and its schedule
-    return dict(arch=model["arch"], head_hidden=model["head_hidden"], dropout=model["dropout"],
+    net = model["net"]["init_args"]  # BackboneWithHead's
+    return dict(arch=net["arch"], head_hidden=net["head_hidden"], dropout=net["dropout"],
                 lr=optimizer["init_args"]["lr"], betas=tuple(optimizer["init_args"]["betas"]),
                 weight_decay=optimizer["init_args"]["weight_decay"],
                 warmup_epochs=schedule["init_args"]["warmup_epochs"],
@@ -74,7 +75,7 @@ def run_imgcls(data: Path, run_dir: Path, quick: bool, seed: int, lean: bool = F
         args += ["--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"]
     args += ["--trainer.callbacks+=benchmarks.time_to_accuracy.EpochClock"]
     if quick:
-        args += ["--model.arch", QUICK["arch"], "--model.head_hidden", str(QUICK["head_hidden"]),
+        args += ["--model.net.arch", QUICK["arch"], "--model.net.head_hidden", str(QUICK["head_hidden"]),
                  "--data.image_size", str(QUICK["image_size"]), "--data.batch_size", str(QUICK["batch"]),
                  "--data.num_workers", "0", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
                  "--trainer.limit_val_batches", "2"]

@@ -1,6 +1,7 @@
-"""The model: the LightningModule and the plain-torch network builder."""
+"""The model: the LightningModule, the network contract and its default network, and the model's settings."""
 
 from lightning_modules.classifier import ImageClassifier
-from lightning_modules.network import build_network
+from lightning_modules.network import BackboneWithHead, DeclaresHead
+from lightning_modules.settings import Levers, Recipe
 
-__all__ = ["ImageClassifier", "build_network"]
+__all__ = ["BackboneWithHead", "DeclaresHead", "ImageClassifier", "Levers", "Recipe"]

@@ -1,20 +1,18 @@
-"""The LightningModule: fine-tunes a torchvision classification model with a two-layer head, and reports torchmetrics
-per split."""
+"""The LightningModule: trains the injected network (`model.net`; by default a torchvision backbone with a two-layer
+head) with the injected loss, optimizer and schedule, and reports torchmetrics per split."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import (
     MulticlassAccuracy,
@@ -22,17 +20,10 @@ from torchmetrics.classification import (
 )
 
 from core import hardware
-from core.config_types import (
-    NonNegativeFloat,
-    NonNegativeInt,
-    OpenUnitInterval,
-    PositiveInt,
-    UnitIntervalRightOpen,
-    check_arguments,
-)
+from core.config_types import OpenUnitInterval, PositiveInt, check_arguments
 from lightning_modules import pretrained
 from lightning_modules.losses import for_multilabel
-from lightning_modules.network import Arch, build_network, head_prefix
+from lightning_modules.network import BackboneWithHead, head_parameter_names, require_backbone
 from lightning_modules.optim import (
     DEFAULT_LR_SCHEDULER,
     DEFAULT_OPTIMIZER,
@@ -42,19 +33,12 @@ from lightning_modules.optim import (
     rescale_learning_rates,
     target_of,
 )
+from lightning_modules.settings import DEFAULT_LEVERS, DEFAULT_RECIPE, Levers, Recipe, as_settings
 from lightning_modules.targets import batch_mix, split_metrics
-
-Auto = Literal["auto"]
-OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
-LrScaling = Literal["linear", "sqrt", "none"]
-
-
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
-               nn.LazyBatchNorm3d)  # the layers whose running statistics a frozen backbone keeps fixed
 
 
 class ImageClassifier(L.LightningModule):
-    """Image classifier: a torchvision backbone (a ResNet50 by default) and the Keras fine-tuning head.
+    """Image classifier: the injected network (a torchvision ResNet50 and the Keras fine-tuning head by default).
 
     Args:
         num_classes: number of classes; linked from the DataModule by the CLI.
@@ -66,16 +50,14 @@ class ImageClassifier(L.LightningModule):
             val/f1_macro and val/f1_micro.
         threshold: multi-label: a class is predicted when its sigmoid output is at least this (metrics, predict); not
             saved in checkpoints, so each command takes its own.
-        arch: any torchvision classification model: resnet18 ... resnet152, wide_resnet50_2, convnext_tiny,
-            efficientnet_b0, mobilenet_v3_large, regnet_y_8gf, vit_b_16, swin_t, ... (the head replaces its last
-            Linear layer).
-        weights: torchvision weights name (IMAGENET1K_V2, DEFAULT), a state-dict or checkpoint file, or null.
-        head_hidden: width of the hidden head layer (1024 in the Keras/Horovod recipe this template reproduces:
-            global average pool -> 1024 -> classes); 0 gives a single linear layer.
-        dropout: dropout before the last layer of the head.
+        net: any ``nn.Module`` class by ``class_path``, with its ``init_args`` but without ``num_classes``, which the
+            model passes (from Python: any callable num_classes -> nn.Module). It maps (B, 3, H, W) images to
+            (B, num_classes) logits, and may declare its head (``head_modules()``; contract:
+            lightning_modules/network.py, docs/EXTENDING.md). Default: ``lightning_modules.network.BackboneWithHead``
+            (arch, weights, head_hidden, dropout).
         optimizer: any ``torch.optim`` optimizer by ``class_path`` (``torch.optim.AdamW``, ``timm.optim.Lamb`` with
             ``pip install 'imgcls[timm]'``), with its ``init_args``; from Python any callable params -> Optimizer. It
-            gets the param groups below; its ``lr`` is per 256 images (``lr_scaling``). null: the recipe's SGD (lr 0.1,
+            gets the param groups below; its ``lr`` is per 256 images (``recipe.lr_scaling``). null: the SGD (lr 0.1,
             momentum 0.9, Nesterov, weight decay 1e-4). Contract and example: docs/EXTENDING.md.
         lr_scheduler: any ``torch.optim.lr_scheduler`` class by ``class_path`` (callable optimizer -> LRScheduler),
             stepped every optimizer step; ``total_steps`` and ``steps_per_epoch`` are passed when it takes them and
@@ -84,27 +66,14 @@ class ImageClassifier(L.LightningModule):
         loss: any ``nn.Module`` mapping (logits, targets) to a scalar (contract: lightning_modules/losses.py), by
             ``class_path``; null is ``torch.nn.CrossEntropyLoss()``. ``lightning_modules.losses.BinaryCrossEntropy``
             is ResNet strikes back's (with ``target_threshold``). It also gives val/loss and test/loss.
-        lr_scaling: ``linear``, ``sqrt`` or ``none``: how the optimizer's lr (per 256 images) follows the global
-            batch (world size x batch x accumulation); each group's lr is multiplied before the scheduler is built.
-        decay_norms_and_biases: apply the optimizer's weight decay to biases and normalisation weights (ndim <= 1)
-            too; false (the recipe): their param groups get ``weight_decay`` 0.
-        mixup_alpha: mixup of training batches (Beta(alpha, alpha) weights; 0.2 in torchvision's V2 recipe); 0 is off.
-        cutmix_alpha: CutMix of training batches (1.0 in torchvision's V2 recipe); 0 is off. With both on, each batch
-            gets one of the two, at even odds (v2.RandomChoice). They run on the device, on the normalised batch; the
-            loss takes the mixed soft targets, and train/acc scores the argmax of the mixed target.
-        backbone_lr_ratio: backbone lr / head lr, e.g. 0.1 to fine-tune the pretrained layers gently (the backbone's
-            param groups' lr is multiplied by it).
-        freeze_backbone_epochs: keep the backbone frozen this many epochs: no gradients, no backward pass through
-            it, no optimizer state for it, BatchNorm statistics fixed.
         batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
-        channels_last: NHWC memory format; ``auto`` turns it on where it was measured faster (CUDA, x86 CPUs with
-            AVX2), see core/hardware.py.
-        compile: ``torch.compile`` the network (in place: checkpoint keys are unchanged) when the Trainer sets it up;
-            ``auto`` compiles on CUDA with Triton only.
-        optimizer_impl: ``default`` (torch's per-parameter loop), ``foreach`` or ``fused`` (one kernel for all
-            parameters); ``auto`` picks fused where it was measured faster (CUDA, x86 CPUs with AVX2). Passed as
-            ``fused=True`` / ``foreach=True`` when the optimizer takes it and its config leaves it unset (an optimizer
-            without a fused kernel gets foreach).
+        recipe: how the optimizer and the batches are used (lightning_modules.settings.Recipe): ``lr_scaling``
+            (each group's lr is multiplied before the scheduler is built), ``backbone_lr_ratio``,
+            ``decay_norms_and_biases``, ``mixup_alpha`` and ``cutmix_alpha`` (on the device, on the normalised batch;
+            the loss takes the mixed soft targets, and train/acc scores the argmax of the mixed target).
+        levers: how the same run computes (lightning_modules.settings.Levers): ``channels_last``, ``compile`` and
+            ``optimizer_impl`` (``fused=True`` / ``foreach=True`` when the optimizer takes it and its config leaves it
+            unset), each ``auto`` chosen from the hardware (core/hardware.py).
         input_contract: the evaluation preprocessing the network is trained for, linked from the DataModule and saved
             in checkpoints (as timm's ``pretrained_cfg``): ``preset``, ``image_size`` (the square side it sees),
             ``resize_size`` and ``crop``, ``interpolation``, ``mean`` and ``std`` (of pixels scaled to [0, 1]).
@@ -117,26 +86,17 @@ class ImageClassifier(L.LightningModule):
         class_names: list[str] | None = None,
         multilabel: bool = False,
         threshold: OpenUnitInterval = 0.5,
-        arch: Arch = "resnet50",
-        weights: str | None = None,
-        head_hidden: NonNegativeInt = 1024,
-        dropout: UnitIntervalRightOpen = 0.2,
+        net: Callable[[int], nn.Module] = BackboneWithHead,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         loss: nn.Module | None = None,
-        lr_scaling: LrScaling = "linear",
-        decay_norms_and_biases: bool = False,
-        mixup_alpha: NonNegativeFloat = 0.0,
-        cutmix_alpha: NonNegativeFloat = 0.0,
-        backbone_lr_ratio: NonNegativeFloat = 1.0,
-        freeze_backbone_epochs: NonNegativeInt = 0,
         batch_size: PositiveInt = 64,
-        channels_last: bool | Auto = "auto",
-        compile: bool | Auto = False,
-        optimizer_impl: OptimizerImpl = "auto",
         input_contract: dict | None = None,
+        recipe: Recipe = DEFAULT_RECIPE,
+        levers: Levers = DEFAULT_LEVERS,
     ) -> None:
-        check_arguments("model", ImageClassifier.__init__, locals())  # the annotated ranges and choices
+        check_arguments("model", ImageClassifier.__init__, {"threshold": threshold, "batch_size": batch_size})
+        recipe, levers = as_settings(Recipe, recipe), as_settings(Levers, levers)
         for key, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
             if value is not None and not callable(value):
                 raise ValueError(f"model.{key}={value!r} is not a class_path: give the class, e.g. "
@@ -147,19 +107,23 @@ class ImageClassifier(L.LightningModule):
             raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
-        if multilabel and (mixup_alpha or cutmix_alpha):
-            raise ValueError("model.mixup_alpha and model.cutmix_alpha mix single-label targets; this data is "
-                             "multi-label (train/labels.csv): set both to 0")
+        if multilabel and (recipe.mixup_alpha or recipe.cutmix_alpha):
+            raise ValueError("model.recipe.mixup_alpha and model.recipe.cutmix_alpha mix single-label targets; this "
+                             "data is multi-label (train/labels.csv): set both to 0")
         # Each command's own threshold: not checkpointed, as a checkpoint's hparams would override the command line.
         with warnings.catch_warnings():  # Lightning's advice to ignore a module argument: done just below
             warnings.filterwarnings("ignore", message="Attribute 'loss' is an instance of `nn.Module`")
             self.save_hyperparameters(ignore=["threshold"])  # from a config: class_path and init_args of each seam
-        # Objects from Python (a loss module, an optimizer callable), which checkpoints loaded weights_only cannot
-        # hold: left out.
-        python_objects = [k for k in ("loss", "optimizer", "lr_scheduler")
+        # Objects from Python (a loss module, a network or optimizer callable), which checkpoints loaded weights_only
+        # cannot hold: left out; the settings' dataclasses as plain dicts.
+        python_objects = [k for k in ("net", "loss", "optimizer", "lr_scheduler")
                           if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
         if python_objects:
             self.save_hyperparameters(ignore=["threshold", *python_objects])
+        for key, value in (("recipe", recipe), ("levers", levers)):
+            if not isinstance(self.hparams.get(key), Mapping):
+                self.hparams[key] = asdict(value)
+        self.recipe, self.lever_settings = recipe, levers
         self.optimizer_factory: Callable = DEFAULT_OPTIMIZER if optimizer is None else plain_callable(optimizer)
         self.lr_scheduler_factory: Callable = (DEFAULT_LR_SCHEDULER if lr_scheduler is None
                                                else plain_callable(lr_scheduler))
@@ -176,13 +140,18 @@ class ImageClassifier(L.LightningModule):
         self.threshold = threshold
         self.input_contract = dict(input_contract) if input_contract is not None else None
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
-        self.net = build_network(arch, weights, head_hidden, dropout, num_classes)
-        self.batch_mix = batch_mix(num_classes, mixup_alpha, cutmix_alpha)  # None when both are off
+        self.net = plain_callable(net)(num_classes)
+        if not isinstance(self.net, nn.Module):
+            raise ValueError(f"model.net built a {type(self.net).__name__}, not a torch.nn.Module: give an nn.Module "
+                             "class that takes num_classes")
+        if recipe.backbone_lr_ratio != 1:
+            require_backbone(self.net, f"model.recipe.backbone_lr_ratio={recipe.backbone_lr_ratio}")
+        self.batch_mix = batch_mix(num_classes, recipe.mixup_alpha, recipe.cutmix_alpha)  # None when both are off
         # The levers set to `auto` are chosen in configure_model, once the Trainer knows the device.
         self.levers: dict[str, bool | str] = {}
         self._channels_last = False
         self._net_compiled = False
-        if channels_last is True:
+        if levers.channels_last is True:
             self._set_channels_last()
 
         self.train_acc = (MultilabelExactMatch(num_classes, threshold=threshold) if multilabel
@@ -197,17 +166,23 @@ class ImageClassifier(L.LightningModule):
 
     def configure_model(self) -> None:
         # Called by the Trainer (each fit, validate, ...) once it knows the device.
-        device = self._trainer.strategy.root_device.type if self._trainer is not None else self.device.type
+        trainer = self.attached_trainer()
+        device = trainer.strategy.root_device.type if trainer is not None else self.device.type
         if not self.levers:
-            self.levers, reasons = resolve_levers(self.hparams, device)
+            self.levers, reasons = resolve_levers(asdict(self.lever_settings), device)
             rank_zero_info("model levers on " + device + ": " + "; ".join(reasons))
         if self.levers["channels_last"] and not self._channels_last:
             self._set_channels_last()
-        if self.hparams.freeze_backbone_epochs and self._trainer is not None and self._trainer.state.fn == "fit":
-            self._set_backbone_trainable(not self.backbone_frozen())  # before the strategy wraps the model
         if self.levers["compile"] and not self._net_compiled:
             self.net.compile()  # in place: nn.Module.compile keeps the state-dict keys
             self._net_compiled = True
+
+    def attached_trainer(self) -> L.Trainer | None:
+        """The Trainer this model is attached to, or None (a model built in Python and not yet fitted)."""
+        try:
+            return self.trainer
+        except RuntimeError:  # LightningModule.trainer raises when no Trainer is attached
+            return None
 
     def _set_channels_last(self) -> None:
         self.net = self.net.to(memory_format=torch.channels_last)
@@ -292,71 +267,27 @@ class ImageClassifier(L.LightningModule):
             "top5_probs": top.values.cpu(),
         }
 
-    # ---- fine-tuning: frozen backbone ----------------------------------------------------------------------
-    # Frozen means requires_grad off (as Lightning's BackboneFinetuning does): no backward pass runs through the
-    # backbone, and its parameters get no gradient, so the optimizer builds no momentum or Adam moments for them.
-    # Unlike BackboneFinetuning, the backbone's parameter groups exist from the start (the LR schedule covers them);
-    # and since DDP registers gradient hooks only for the parameters that require a gradient when it wraps the model,
-    # the model is wrapped again when the backbone thaws. BatchNorm statistics stay fixed while frozen.
-
-    def backbone_frozen(self) -> bool:
-        trainer = self._trainer
-        return trainer is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
-
-    def _set_backbone_trainable(self, trainable: bool) -> bool:
-        """requires_grad of every backbone parameter; True when that changed anything."""
-        prefix = head_prefix(self.net)
-        changed = False
-        for name, p in self.net.named_parameters():
-            if not name.startswith(prefix) and p.requires_grad != trainable:
-                p.requires_grad_(trainable)
-                changed = True
-        return changed
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if mode and self.backbone_frozen():
-            for name, module in self.net.named_modules():
-                if isinstance(module, BATCH_NORMS) and not name.startswith(head_prefix(self.net)):
-                    module.eval()
-        return self
-
-    def on_train_start(self) -> None:
-        # Every fit start, resumes included: Lightning skips on_train_epoch_start when it resumes mid-epoch, and
-        # restores the loops' epoch only after DDP wrapped the model.
-        self._apply_freeze()
-
-    def on_train_epoch_start(self) -> None:
-        self._apply_freeze()  # the thaw epoch
-
-    def _apply_freeze(self) -> None:
-        """requires_grad and the BatchNorm mode of the backbone for the current epoch; DDP re-wrapped on a change."""
-        if self.hparams.freeze_backbone_epochs and self._set_backbone_trainable(not self.backbone_frozen()):
-            strategy = self.trainer.strategy
-            if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
-                strategy.model = self  # unwrapped, then wrapped again with the backbone's gradient hooks
-                strategy.configure_ddp()
-                rank_zero_info(f"backbone unfrozen at epoch {self.current_epoch}: DDP re-wrapped the model")
-        self.train(self.training)  # re-apply the frozen-BatchNorm rule as epochs advance
-
     # ---- optimisation ---------------------------------------------------------------------------------------
 
     def lr_scale(self) -> float:
         """Multiplier from the optimizer's lr (per 256 images) to the learning rate actually used."""
-        world = self.trainer.world_size if self._trainer is not None else 1
-        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        trainer = self.attached_trainer()
+        world = trainer.world_size if trainer is not None else 1
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         global_batch = world * self.hparams.batch_size * accumulate
         return {"linear": global_batch / 256, "sqrt": math.sqrt(global_batch / 256), "none": 1.0}[
-            self.hparams.lr_scaling
+            self.recipe.lr_scaling
         ]
 
     def param_groups(self) -> list[dict]:
-        """Up to four groups: (backbone | head) x (decay | no decay); biases and norm weights (ndim <= 1) get
-        weight_decay 0 unless decay_norms_and_biases. Their lr is the optimizer's (scaled in configure_optimizers)."""
+        """Up to four groups: (backbone | head, as the network declares them) x (decay | no decay); biases and norm
+        weights (ndim <= 1) get weight_decay 0 unless decay_norms_and_biases. Their lr is the optimizer's (scaled in
+        configure_optimizers)."""
+        head = head_parameter_names(self.net)
         groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
         for name, p in self.net.named_parameters():
-            decays = self.hparams.decay_norms_and_biases or p.ndim > 1
-            groups.setdefault((name.startswith(head_prefix(self.net)), decays), []).append(p)
+            decays = self.recipe.decay_norms_and_biases or p.ndim > 1
+            groups.setdefault((name in head, decays), []).append(p)
         return [{"params": params, "is_head": is_head, **({} if decays else {"weight_decay": 0.0})}
                 for (is_head, decays), params in sorted(groups.items())]
 
@@ -365,7 +296,7 @@ class ImageClassifier(L.LightningModule):
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         # Optimizer steps per epoch from the loader, not total_steps / max_epochs: with max_steps and no max_epochs,
         # "epoch" would be the whole run, and warm-up with it.
-        if self.trainer.train_dataloader is None and self._trainer.state.fn == "fit":
+        if self.trainer.train_dataloader is None and self.trainer.state.fn == "fit":
             self.trainer.fit_loop.setup_data()  # max_steps runs: estimated_stepping_batches does not build it
         batches, epochs = self.trainer.num_training_batches, self.trainer.max_epochs
         if math.isfinite(batches):
@@ -376,19 +307,19 @@ class ImageClassifier(L.LightningModule):
 
     def lr_multipliers(self, groups: list[dict]) -> list[float]:
         """Per param group: lr_scale (per 256 images -> this global batch), times backbone_lr_ratio for the backbone."""
-        return [self.lr_scale() * (1.0 if g["is_head"] else self.hparams.backbone_lr_ratio) for g in groups]
+        return [self.lr_scale() * (1.0 if g["is_head"] else self.recipe.backbone_lr_ratio) for g in groups]
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """model.optimizer over param_groups (fused or foreach kernels per optimizer_impl), each group's lr multiplied
         by its lr_multipliers: the peak rates a scheduler then starts from."""
-        impl = self.levers.get("optimizer_impl") or resolve_levers(self.hparams, self.device.type)[0]["optimizer_impl"]
+        impl = (self.levers.get("optimizer_impl")
+                or resolve_levers(asdict(self.lever_settings), self.device.type)[0]["optimizer_impl"])
         optimizer = build_optimizer(self.optimizer_factory, self.param_groups(), impl)
         for group, multiplier in zip(optimizer.param_groups, self.lr_multipliers(optimizer.param_groups), strict=True):
             group["lr"] = group["lr"] * multiplier
         return optimizer
 
     def configure_optimizers(self):
-        hp = self.hparams
         optimizer = self.make_optimizer()
         multipliers = self.lr_multipliers(optimizer.param_groups)
         head = next(i for i, g in enumerate(optimizer.param_groups) if g["is_head"])
@@ -399,8 +330,8 @@ class ImageClassifier(L.LightningModule):
         warmup = getattr(scheduler, "warmup_steps", None)
         rank_zero_info(
             f"{target_of(self.optimizer_factory).__name__} lr {peak / multipliers[head]:g} per 256 images x "
-            f"{self.lr_scale():.4g} ({hp.lr_scaling} scaling, global batch {self.trainer.world_size} x "
-            f"{hp.batch_size} x {self.trainer.accumulate_grad_batches}) = {peak:.4g} for the head (peak); "
+            f"{self.lr_scale():.4g} ({self.recipe.lr_scaling} scaling, global batch {self.trainer.world_size} x "
+            f"{self.hparams.batch_size} x {self.trainer.accumulate_grad_batches}) = {peak:.4g} for the head (peak); "
             f"{type(scheduler).__name__} over {total_steps} steps" + (f", {warmup} of warm-up" if warmup else "")
         )  # the peak read before the scheduler set the first step's rate
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -414,7 +345,8 @@ class ImageClassifier(L.LightningModule):
         """Rescale the restored learning rates when the global batch changed since the checkpoint (another world size
         after an elastic restart, other accumulation): the optimizer and schedule states carry the old scale."""
         saved = checkpoint.get("lr_scale")
-        if saved is None or self._trainer is None or self.trainer.state.fn != "fit":
+        trainer = self.attached_trainer()
+        if saved is None or trainer is None or trainer.state.fn != "fit":
             return
         factor = self.lr_scale() / saved
         if math.isclose(factor, 1.0):
@@ -422,7 +354,7 @@ class ImageClassifier(L.LightningModule):
         rescale_learning_rates(checkpoint, factor)
         rank_zero_info(
             f"resuming on a global batch of {self.trainer.world_size} x {self.hparams.batch_size} x "
-            f"{self.trainer.accumulate_grad_batches}: learning rates rescaled x{factor:.4g} ({self.hparams.lr_scaling} "
+            f"{self.trainer.accumulate_grad_batches}: learning rates rescaled x{factor:.4g} ({self.recipe.lr_scaling} "
             f"scaling: {saved:.4g} -> {self.lr_scale():.4g} per the lr of 256 images)"
         )
 
@@ -433,14 +365,15 @@ class ImageClassifier(L.LightningModule):
         return pretrained.from_pretrained(cls, name_or_path, threshold=threshold)
 
 
-def resolve_levers(hparams, device: str) -> tuple[dict[str, bool | str], list[str]]:
-    """The model's speed levers for `device`: each `auto` chosen from the hardware; and one reason per lever."""
+def resolve_levers(settings: Mapping, device: str) -> tuple[dict[str, bool | str], list[str]]:
+    """The model's speed levers (`settings`: Levers as a dict) for `device`: each `auto` chosen from the hardware; and
+    one reason per lever."""
     hw = hardware.detect()
     rules = {"channels_last": hardware.choose_channels_last, "compile": hardware.choose_compile,
              "optimizer_impl": hardware.choose_optimizer_impl}
     levers, reasons = {}, []
     for key, rule in rules.items():
-        value, why = rule(hw, device) if hparams[key] == "auto" else (hparams[key], "set in the config")
+        value, why = rule(hw, device) if settings[key] == "auto" else (settings[key], "set in the config")
         levers[key] = value
         shown = ("on" if value else "off") if isinstance(value, bool) else value
         reasons.append(f"{key} {shown} ({why})")

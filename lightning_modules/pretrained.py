@@ -1,13 +1,15 @@
 """A model folder in the Hugging Face Hub's layout, as `imgcls publish` writes it: `model.safetensors` (the network's
 state dict, no pickle) and `config.json` (the network's class_path and init_args, the classes, single- or multi-label
 and the threshold, the input contract). `from_pretrained` rebuilds the model from it with no checkpoint and no config
-file; `--model.weights FOLDER` loads it in the CLI (training/cli.py).
+file; `--model.net.weights FOLDER` loads it in the CLI (training/cli.py).
 
     model = ImageClassifier.from_pretrained("runs/quickstart/published")   # or a Hub repo id: "user/digits-resnet18"
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -15,36 +17,45 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.network import head_prefix
+from lightning_modules.network import declares_head
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 LIBRARY = "imgcls"
 FORMAT_VERSION = 1
-# The ImageClassifier arguments that describe the network (not the training): what network_spec reads.
-NETWORK_ARGS = ("arch", "head_hidden", "dropout")
-DEFAULT_NETWORK = "lightning_modules.network.build_network"
+DEFAULT_NETWORK = "lightning_modules.network.BackboneWithHead"
+# The network arguments of checkpoints older than the network seam (model.net): those of BackboneWithHead.
+OLD_NETWORK_ARGS = ("arch", "head_hidden", "dropout")
 
 
 def network_spec(hparams: dict[str, Any]) -> dict[str, Any]:
-    """The network of a model's hyperparameters (a checkpoint's) as {"class_path", "init_args"}: the one place that
-    knows where the model keeps it. `network_kwargs` is its inverse."""
-    return {"class_path": DEFAULT_NETWORK,
-            "init_args": {k: hparams[k] for k in NETWORK_ARGS if k in hparams}
-            | {"weights": None, "num_classes": hparams["num_classes"]}}  # the weights: model.safetensors
+    """The network of a model's hyperparameters (a checkpoint's) as {"class_path", "init_args"}, its `weights` None
+    (a folder's weights are model.safetensors): the one place that knows where the model keeps it. A checkpoint
+    older than `model.net` kept the default network's arguments beside the others."""
+    net = hparams.get("net")
+    if isinstance(net, dict) and net.get("class_path"):
+        init_args = dict(net.get("init_args") or {})
+    else:
+        net, init_args = {"class_path": DEFAULT_NETWORK}, {k: hparams[k] for k in OLD_NETWORK_ARGS if k in hparams}
+    if "weights" in init_args or net["class_path"] == DEFAULT_NETWORK:
+        init_args["weights"] = None
+    return {"class_path": net["class_path"], "init_args": init_args}
 
 
-def network_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
-    """The ImageClassifier arguments that build the network `spec` (`network_spec`'s output)."""
-    if spec.get("class_path") != DEFAULT_NETWORK:
-        raise ValueError(f"{CONFIG_FILE}: network class_path {spec.get('class_path')!r} is not one this version of "
-                         f"imgcls builds ({DEFAULT_NETWORK}); upgrade imgcls")
-    return {k: v for k, v in spec.get("init_args", {}).items() if k in NETWORK_ARGS}
+def network_factory(spec: dict[str, Any]):
+    """The callable num_classes -> nn.Module of a network spec (what `model.net` takes from Python)."""
+    module, _, name = spec["class_path"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"{CONFIG_FILE}: the network class {spec['class_path']!r} cannot be imported; install the "
+                         "package that defines it") from None
+    return functools.partial(cls, **spec.get("init_args", {}))
 
 
 def network_kwargs_of(hparams: dict[str, Any]) -> list[str]:
-    """The keys of a model's hyperparameters that `network_kwargs` fills (those a fine-tune takes from a folder)."""
-    return [k for k in NETWORK_ARGS if k in hparams]
+    """The keys of a model's hyperparameters that hold its network (those a fine-tune takes from a folder)."""
+    return ["net"] if "net" in hparams else []
 
 
 def is_model_folder(path: str | Path | None) -> bool:
@@ -79,7 +90,7 @@ def read_config(folder: str | Path) -> dict[str, Any]:
 
 def model_hparams(config: dict[str, Any]) -> dict[str, Any]:
     """The ImageClassifier arguments a model folder fixes: the network, the classes, the kind and the input contract."""
-    return {**network_kwargs(config["network"]), "num_classes": config["num_classes"],
+    return {"net": config["network"], "num_classes": config["num_classes"],
             "class_names": list(config["class_names"]), "multilabel": bool(config["multilabel"]),
             "input_contract": dict(config["preprocessing"])}
 
@@ -90,15 +101,25 @@ def weights_of(folder: str | Path) -> dict[str, torch.Tensor]:
     return load_file(Path(folder).expanduser() / WEIGHTS_FILE)
 
 
+def head_state_keys(net: nn.Module) -> set[str]:
+    """The state-dict keys of the head `net` declares (every key when it declares none)."""
+    own = net.state_dict()
+    if not declares_head(net):
+        return set(own)
+    heads = {id(m) for m in net.head_modules()}
+    prefixes = tuple(f"{name}." for name, m in net.named_modules() if id(m) in heads)
+    return {k for k in own if k.startswith(prefixes)}
+
+
 def load_network_weights(net: nn.Module, folder: str | Path, *, head: bool) -> bool:
     """Loads the folder's weights into `net` (built by the same network spec): every tensor, or, with `head` False or
     a head of another shape (other classes), the backbone's only. Returns whether the head was loaded."""
-    state, own, prefix = weights_of(folder), net.state_dict(), head_prefix(net)
-    head_fits = all(k in state and state[k].shape == v.shape for k, v in own.items() if k.startswith(prefix))
+    state, own, head_keys = weights_of(folder), net.state_dict(), head_state_keys(net)
+    head_fits = all(k in state and state[k].shape == own[k].shape for k in head_keys)
     if not (head and head_fits):
-        state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+        state = {k: v for k, v in state.items() if k not in head_keys}
     wrong = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    missing = [k for k in own if k not in state and (head and head_fits or not k.startswith(prefix))]
+    missing = [k for k in own if k not in state and (head and head_fits or k not in head_keys)]
     unexpected = [k for k in state if k not in own]
     if wrong or missing or unexpected:
         raise ValueError(f"{Path(folder) / WEIGHTS_FILE} does not fit the network {network_summary(net)}: "
@@ -129,6 +150,8 @@ def from_pretrained(cls, name_or_path: str | Path, *, threshold: float | None = 
     config = read_config(folder)
     if threshold is None:
         threshold = config.get("threshold") or 0.5
-    model = cls(**model_hparams(config), threshold=threshold, weights=None, channels_last=False)
+    hparams = model_hparams(config)
+    hparams["net"] = network_factory(hparams["net"])
+    model = cls(**hparams, threshold=threshold, levers={"channels_last": False})
     load_network_weights(model.net, folder, head=True)
     return model.float().eval()

@@ -45,15 +45,20 @@ def resume_config(devices: int = 1, every_n_train_steps: int = 2) -> dict:
         if c["init_args"].get("every_n_train_steps"):
             c["init_args"]["every_n_train_steps"] = every_n_train_steps
     cfg["trainer"]["callbacks"] = callbacks
-    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False)
+    cfg["model"]["net"]["init_args"].update(arch="resnet18", head_hidden=32)
+    cfg["model"]["levers"]["channels_last"] = False
     return cfg
 
 
 TINY = [
-    "--model.arch", "resnet18", "--model.head_hidden", "32", "--data.image_size", "32",
+    "--model.net.arch", "resnet18", "--model.net.head_hidden", "32", "--data.image_size", "32",
     "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
     "--trainer.enable_model_summary", "false",
 ]
+
+
+# `imgcls fit` arguments that freeze the network's backbone for epoch 0 (configs/callbacks/finetune.yaml's callback).
+FREEZE_FIRST_EPOCH = ["--trainer.callbacks+=training.callbacks.FreezeBackbone", "--trainer.callbacks.epochs", "1"]
 
 
 LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

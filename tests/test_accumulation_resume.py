@@ -27,8 +27,9 @@ def _config(tmp_path: Path, data: Path) -> Path:
                           strategy="ddp", max_epochs=1, limit_train_batches=4, accumulate_grad_batches=2,
                           val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0,
                           enable_progress_bar=False, enable_model_summary=False)
-    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False,
-                        optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.9}})
+    cfg["model"]["net"]["init_args"].update(arch="resnet18", head_hidden=32)
+    cfg["model"]["levers"]["channels_last"] = False
+    cfg["model"]["optimizer"] = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.9}}
     cfg["data"].update(root=str(data), batch_size=2, num_workers=0, image_size=32)
     cfg["auto_resume"] = False
     path = tmp_path / "config.yaml"

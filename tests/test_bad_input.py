@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -16,7 +17,7 @@ from PIL import Image
 import datamodules.bad_images as bad_images
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import find_bad_images, image_problem
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier
 from tests.helpers import CONFIGS, TINY, make_image_folder, run_cli
 from training.cli import main
 
@@ -108,7 +109,8 @@ def test_skip_logs_the_bad_files_and_trains_on_the_rest(tmp_path, caplog):
     root, bad = _bad_dataset(tmp_path)
     dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32, bad_images="skip",
                                persistent_workers=False)
-    model = ImageClassifier(num_classes=2, class_names=dm.class_names, arch="resnet18", head_hidden=8, batch_size=4)
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                            class_names=dm.class_names, batch_size=4)
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path)
@@ -190,7 +192,7 @@ CLI_CASES = {
     "BCE label smoothing of 1": (["--model.loss", "lightning_modules.losses.BinaryCrossEntropy",
                                   "--model.loss.label_smoothing", "1.0"],
                                  "model.loss.label_smoothing=1.0 must be in [0, 1)"),
-    "misspelt arch": (["--model.arch", "resnt50"], "model.arch='resnt50' is unknown; did you mean resnet50"),
+    "misspelt arch": (["--model.net.arch", "resnt50"], "model.net.arch='resnt50' is unknown; did you mean resnet50"),
     "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
 }
 
@@ -212,7 +214,8 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--model.lr_scalling", "none"], "--model.lr_scalling is not an option; did you mean --model.lr_scaling"),
+    (["--model.recipe.lr_scalling", "none"],
+     "--model.recipe.lr_scalling is not an option; did you mean --model.recipe.lr_scaling"),
     (["--data.roott", "x"], "--data.roott is not an option; did you mean --data.root"),
     (["--model.optimizer.lrr", "0.1"],
      "model.optimizer.lrr: torch.optim.AdamW takes no argument lrr; did you mean model.optimizer.lr?"),
@@ -247,6 +250,16 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     (["--data.random_erasing", "0.1"], "--data.random_erasing moved to --data.train_transform.random_erasing"),
     (["--data.train_transform.auto_augmnt", "augmix"], "--data.train_transform.auto_augmnt is not an option; did "
      "you mean --data.train_transform.auto_augment"),
+    *[([f"--model.{key}", value], f"--model.{key} moved to --model.net.{key} (an argument of the network, "
+                                  "lightning_modules.network.BackboneWithHead)")
+      for key, value in (("arch", "resnet18"), ("weights", "null"), ("head_hidden", "8"), ("dropout", "0.1"))],
+    *[([f"--model.{key}", value], f"--model.{key} moved to --model.recipe.{key}")
+      for key, value in (("lr_scaling", "none"), ("decay_norms_and_biases", "true"), ("mixup_alpha", "0.2"),
+                         ("cutmix_alpha", "1.0"), ("backbone_lr_ratio", "0.1"))],
+    *[([f"--model.{key}", value], f"--model.{key} moved to --model.levers.{key}")
+      for key, value in (("channels_last", "false"), ("compile", "false"), ("optimizer_impl", "foreach"))],
+    (["--model.freeze_backbone_epochs", "1"], "--model.freeze_backbone_epochs moved to "
+     "--trainer.callbacks+=training.callbacks.FreezeBackbone --trainer.callbacks.epochs N (freezing is a callback)"),
 ])
 def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -255,6 +268,15 @@ def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     assert exit_info.value.code == 2
     assert err.startswith(f"imgcls: error: {expected}") and "\n" not in err, err[-3000:]
     assert err.endswith("(`imgcls fit --help` lists every option)")
+
+
+def test_a_moved_key_in_a_config_file_names_its_new_place(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  arch: resnet18\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(old)])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("imgcls: error: model.arch moved to model.net.arch") and "\n" not in err, err[-3000:]
 
 
 def test_bad_images_through_the_command_stop_before_training(tmp_path):

@@ -44,7 +44,7 @@ def _print_config(*args: str) -> dict:
 def test_every_shipped_config_parses(config):
     # Overlays (loggers/, fsdp.yaml) are partial: each file is parsed on top of the quickstart, as users compose them.
     printed = _print_config("--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config))
-    assert printed["model"]["arch"].startswith(("resnet", "wide_resnet"))
+    assert printed["model"]["net"]["init_args"]["arch"].startswith(("resnet", "wide_resnet"))
     assert printed["trainer"]["default_root_dir"]
 
 
@@ -56,7 +56,8 @@ def test_production_config_prints_on_its_own():
     assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
     data = printed["data"]
     assert data["class_path"] == "datamodules.ImageFolderDataModule"  # the default data source
-    assert (model["arch"], model["weights"], data["init_args"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
+    net = model["net"]["init_args"]
+    assert (net["arch"], net["weights"], data["init_args"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
     monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"]
                  if c["class_path"].endswith("ModelCheckpoint")]
     assert "val/acc" in monitored
@@ -71,15 +72,20 @@ def test_help_lists_every_command(capsys):
 
 
 def test_fit_help_lists_the_architectures_and_ranges(capsys):
-    """model.arch is a Literal of torchvision's models (or timm/<name>), and the numbers carry their ranges."""
+    """model.net.arch (the default network's) is a Literal of torchvision's models (or timm/<name>), shown by the
+    network's own help; the numbers carry their ranges."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.net.help", "lightning_modules.network.BackboneWithHead"])
+    out = " ".join(capsys.readouterr().out.split())
+    start = out.index("--model.net.arch ARCH any torchvision")  # the help entry, not the usage line
+    arch_help = out[start:out.index("--model.net.weights WEIGHTS", start)]
+    for name in ("'resnet50'", "'convnext_tiny'", "'vit_b_16'", "TimmArch"):
+        assert name in arch_help
+    assert "NonNegativeInt" in out[out.index("--model.net.head_hidden"):]
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    start = out.index("--model.arch ARCH any torchvision")  # the help entry, not the usage line
-    arch_help = out[start:out.index("--model.weights WEIGHTS", start)]
-    for name in ("'resnet50'", "'convnext_tiny'", "'vit_b_16'", "TimmArch"):
-        assert name in arch_help
-    assert "NonNegativeFloat" in out[out.index("--model.backbone_lr_ratio"):]
+    assert "--model.net.help" in out and "NonNegativeFloat" in out[out.index("--model.recipe.backbone_lr_ratio"):]
 
 
 def test_quickstart_fast_dev_run(digits_root, tmp_path):
@@ -171,7 +177,7 @@ def test_production_config_runs_one_batch_on_cpu(tmp_path):
                    "--trainer.devices", "1", "--trainer.fast_dev_run", "1", "--data.root", str(tmp_path / "data"),
                    "--data.num_workers", "0", "--data.batch_size", "4", "--data.image_size", "64",
                    # compile: auto leaves a CPU eager; forced here, so that the config's compiled step runs once in CI.
-                   "--model.compile", "true",
+                   "--model.levers.compile", "true",
                    "--trainer.default_root_dir", str(tmp_path / "run"), env=cli_env(TORCH_HOME=str(tmp_path / "torch")))
     assert "compile on (set in the config)" in proc.stdout + proc.stderr
     # precision: auto resolves from this CPU (32-true without native bf16, bf16-mixed with it), and says why.

@@ -13,8 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from benchmarks.distributed import _train_step, count_allreduce_bytes, expected_allreduce_bytes, wrap_ddp
 from datamodules import ImageFolderDataModule
-from lightning_modules import ImageClassifier
-from lightning_modules.network import build_network
+from lightning_modules import BackboneWithHead, ImageClassifier
 from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
 from training.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
@@ -39,7 +38,7 @@ def _fit(images, tmp_path, strategy, max_steps: int, ckpt_path=None, name="run")
     """Fit a tiny resnet18 with `strategy` in this process; the Probe holds what happened."""
     L.seed_everything(0)
     data = ImageFolderDataModule(str(images), batch_size=4, num_workers=0, image_size=32, preset="none")
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, dropout=0.0,
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0, dropout=0.0),
                             optimizer=partial(torch.optim.SGD, lr=0.4, momentum=0.9, nesterov=True, weight_decay=1e-4))
     probe = Probe(str(tmp_path / name / "probe"))
     trainer = L.Trainer(
@@ -117,7 +116,7 @@ def test_allreduce_bytes_per_step_match_parameter_shapes(master_port):
     torch.manual_seed(0)
     measured, expected = {}, {}
     for compression in ("none", "fp16", "bf16", "powersgd"):
-        net = build_network("resnet50", None, 1024, 0.0, 10)
+        net = BackboneWithHead(10, arch="resnet50", dropout=0.0)
         ddp, _ = wrap_ddp(net, compression, count=True, powersgd_start_iter=2)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
         for _ in range(3):  # buckets rebuilt after step 1; PowerSGD compresses from step 3
@@ -125,7 +124,7 @@ def test_allreduce_bytes_per_step_match_parameter_shapes(master_port):
         with count_allreduce_bytes() as counted:
             _train_step(ddp, optimizer, batch=2, size=32, classes=10)
         measured[compression], expected[compression] = counted["bytes"], expected_allreduce_bytes(net, compression)
-    n_params = sum(p.numel() for p in build_network("resnet50", None, 1024, 0.0, 10).parameters())
+    n_params = sum(p.numel() for p in BackboneWithHead(10, arch="resnet50", dropout=0.0).parameters())
     assert expected["none"] == 4 * n_params
     assert measured == expected
     assert measured["fp16"] == measured["bf16"] == measured["none"] // 2
@@ -225,8 +224,8 @@ def test_fsdp_config_builds_block_sharded_fsdp2_for_large_backbones():
     proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
                    "--print_config", timeout=120)
     config = yaml.safe_load(proc.stdout)
-    assert config["model"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
-    assert config["model"]["optimizer_impl"] == "foreach" and config["trainer"]["precision"] == "bf16-mixed"
+    assert config["model"]["net"]["init_args"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
+    assert config["model"]["levers"]["optimizer_impl"] == "foreach" and config["trainer"]["precision"] == "bf16-mixed"
     assert config["trainer"]["strategy"]["class_path"] == "training.fsdp.FSDP2Strategy"
 
     strategy = _strategy_from_yaml((CONFIGS / "fsdp.yaml").read_text())

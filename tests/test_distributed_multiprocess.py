@@ -25,7 +25,18 @@ from torchvision.models import ResNet50_Weights
 from core import hardware
 from lightning_modules import ImageClassifier
 from tests.distributed_probe import Probe
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, join_ranks, kill_args, make_image_folder, run_cli
+from tests.helpers import (
+    CONFIGS,
+    FREEZE_FIRST_EPOCH,
+    ROOT,
+    TINY,
+    cli_env,
+    free_port,
+    join_ranks,
+    kill_args,
+    make_image_folder,
+    run_cli,
+)
 from training.strategy import CompressedDDPStrategy
 
 pytestmark = pytest.mark.slow
@@ -62,7 +73,7 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
         "fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(folder),
         "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.precision", "32-true",
         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.num_sanity_val_steps", "0",
-        "--model.freeze_backbone_epochs", "1", "--model.dropout", "0", "--model.head_hidden", "0",
+        *FREEZE_FIRST_EPOCH, "--model.net.dropout", "0", "--model.net.head_hidden", "0",
         "--trainer.default_root_dir", str(tmp_path / "run"),
         *_strategy_args(compression="none"), *_probe_args(out, perturb_nonzero_ranks="true", record_tensors="true"),
         env=cli_env(MASTER_PORT=str(free_port())), timeout=300,
@@ -85,7 +96,7 @@ def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(tmp_path, 
     # (SyncBatchNorm would too, but torch runs it on CUDA only). The frozen backbone gets no gradient at all.
     model = ImageClassifier.load_from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu")
     model.load_state_dict(r0["initial_state"])  # the weights before the step
-    head = {name for name, _ in model.named_parameters() if name.startswith("net.fc.")}
+    head = {name for name, _ in model.named_parameters() if name.startswith("net.head.")}
     assert set(r0["grads"]) == set(r1["grads"]) == head
     model.train()
     for module in model.modules():
@@ -196,7 +207,7 @@ def test_production_config_runs_on_eight_cpu_processes(tmp_path):
         "--data.root", str(root), "--trainer.default_root_dir", str(tmp_path / "run"),
         # 8 inductor compilations cost ~200 s on 2 cores; the compiled path of this config is run once, in one
         # process, by tests/test_cli.py::test_production_config_runs_one_batch_on_cpu.
-        "--model.compile", "false",
+        "--model.levers.compile", "false",
         # The config's 64 images of 224 px per rank: 512 ResNet50 passes per step on 2 cores and GBs of activations
         # per process. With 2 the 8 processes and their loader workers peak at ~9 GB (PSS) in all. At 64 px, as
         # test_cli.py's one-process run of this config, each pass costs a twelfth of one at 224 px.
@@ -254,7 +265,7 @@ def test_torchrun_two_nodes_with_elastic_restart_resume(tmp_path, folder):
         *_probe_args(out, fail_rank=3, fail_step=3), "--ckpt_path", "last",
         # The backbone thaws at epoch 1, where the restarted workers resume: DDP must be wrapped again to all-reduce
         # its gradients, or the 4 ranks' weights part (the equal digests below).
-        "--model.freeze_backbone_epochs", "1",
+        *FREEZE_FIRST_EPOCH,
     ]
     nodes = [
         subprocess.Popen(
@@ -360,7 +371,7 @@ def test_two_process_powersgd_fit_exits_0_without_terminate_five_times_in_a_row(
     root = make_image_folder(tmp_path / "images", {str(c): 16 for c in range(10)}, splits=("train",), size=32)
     make_image_folder(root, {str(c): 2 for c in range(10)}, splits=("val",), size=32, seed=1)
     args = [sys.executable, "-m", "training.cli", "fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), *TINY,
-            "--model.weights", "null", "--data.root", str(root), "--trainer.devices", "2",
+            "--model.net.weights", "null", "--data.root", str(root), "--trainer.devices", "2",
             "--trainer.strategy.init_args.compression", "powersgd", "--trainer.max_steps", "3",
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false"]
     for attempt in range(5):

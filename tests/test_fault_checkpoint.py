@@ -20,7 +20,7 @@ import torchvision
 import yaml
 
 import training.checkpointing as checkpointing
-from lightning_modules.network import build_network
+from lightning_modules.network import BackboneWithHead
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
 from training.callbacks import ModelCheckpoint
 from training.checkpointing import (
@@ -270,14 +270,14 @@ def test_crafted_pickle_is_refused_as_weights_and_as_checkpoint(tmp_path):
     marker = tmp_path / "pwned"
     evil = _evil_checkpoint(tmp_path / "evil.ckpt", marker)
     with pytest.raises(ValueError, match="refusing it"):
-        build_network("resnet18", str(evil), 0, 0.0, 2)
+        BackboneWithHead(2, arch="resnet18", weights=str(evil), head_hidden=0, dropout=0.0)
     with pytest.raises(UnsafeCheckpointError, match=f"refusing to load {evil}"):
         AtomicCheckpointIO().load_checkpoint(evil)
     assert not marker.exists()
 
 
 def test_pickle_planted_in_the_torch_hub_cache_is_refused(tmp_path, monkeypatch):
-    """model.weights=IMAGENET1K_V1 reads $TORCH_HOME/hub/checkpoints/<file> itself, weights_only: torchvision's
+    """model.net.weights=IMAGENET1K_V1 reads $TORCH_HOME/hub/checkpoints/<file> itself, weights_only: torchvision's
     get_state_dict would unpickle whatever was dropped there."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     hub = tmp_path / "torch" / "hub" / "checkpoints"
@@ -286,12 +286,12 @@ def test_pickle_planted_in_the_torch_hub_cache_is_refused(tmp_path, monkeypatch)
     marker = tmp_path / "pwned"
     torch.save({"conv1.weight": _Payload(marker)}, cached)
     with pytest.raises(ValueError, match=f"the cached file={cached} holds pickled objects beyond tensors"):
-        build_network("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
+        BackboneWithHead(2, arch="resnet18", weights="IMAGENET1K_V1", head_hidden=0, dropout=0.0)
     assert not marker.exists()
     clean = torchvision.models.resnet18().state_dict()
     torch.save(clean, cached)  # a real weights file there is what offline machines use: it loads
-    net = build_network("resnet18", "IMAGENET1K_V1", 0, 0.0, 2)
-    assert torch.equal(net.conv1.weight, clean["conv1.weight"])
+    net = BackboneWithHead(2, arch="resnet18", weights="IMAGENET1K_V1", head_hidden=0, dropout=0.0)
+    assert torch.equal(net.backbone.conv1.weight, clean["conv1.weight"])
 
 
 def test_export_refuses_a_crafted_pickle_in_one_line(tmp_path):
@@ -332,7 +332,7 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint(tmp_path):
     proc = run_cli(
         "fit", *TINY, "--data.root", str(data), "--data.batch_size", "4", "--trainer.default_root_dir", str(run),
         "--trainer.max_epochs", "3", "--model.optimizer", "torch.optim.SGD", "--model.optimizer.lr", "1e12",
-        "--model.lr_scaling", "none", "--model.lr_scheduler", "lightning_modules.schedules.WarmupCosine",
+        "--model.recipe.lr_scaling", "none", "--model.lr_scheduler", "lightning_modules.schedules.WarmupCosine",
         "--model.lr_scheduler.warmup_epochs", "0",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_last", "true", check=False,

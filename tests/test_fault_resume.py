@@ -64,7 +64,8 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
         cfg["trainer"]["plugins"] = [{"class_path": "training.checkpointing.AsyncAtomicCheckpointIO"}]
     callbacks = cfg["trainer"]["callbacks"]
     if recipe:
-        cfg["model"].update(mixup_alpha=0.2, cutmix_alpha=1.0, freeze_backbone_epochs=1)  # thaws at epoch 1
+        cfg["model"]["recipe"].update(mixup_alpha=0.2, cutmix_alpha=1.0)
+        callbacks.append({"class_path": "training.callbacks.FreezeBackbone", "init_args": {"epochs": 1}})  # thaws at 1
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
     if recipe:  # the loader's random augmentation too: crops and flips, TrivialAugment, erasing
@@ -294,10 +295,12 @@ class _SeedRecorder:
 def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tmp_path, data):
     """accumulate_grad_batches=2: the two micro-batches of one optimizer step must not share dropout masks (a seed
     from the optimizer step would give them the same); rerunning gives the same seeds (resumes depend on it)."""
+    from functools import partial
+
     import lightning as L
 
     from datamodules import ImageFolderDataModule
-    from lightning_modules import ImageClassifier
+    from lightning_modules import BackboneWithHead, ImageClassifier
     from training.callbacks import ExactResume
 
     class Model(_SeedRecorder, ImageClassifier):
@@ -305,7 +308,7 @@ def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tm
 
     def seeds() -> list[int]:
         L.seed_everything(3)
-        model = Model(num_classes=2, arch="resnet18", head_hidden=8)
+        model = Model(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8))
         model.seeds = []
         trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=0,
                             accumulate_grad_batches=2, callbacks=[ExactResume()], logger=False,

@@ -198,7 +198,7 @@ def test_a_model_value_changed_on_resume_is_refused_naming_both_values(run_copy,
                    "--trainer.max_epochs", "3", check=False)
     line = error_line(proc)
     assert line.startswith("imgcls: error: --ckpt_path last: model.") and named in line
-    assert "drop the override to resume" in line and "--model.weights" in line
+    assert "drop the override to resume" in line and "--model.net.weights" in line
     assert torch.load(run_copy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 1
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from datamodules import ImageFolderDataModule
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier, Levers
 from lightning_modules.schedules import WarmupCosine
 from tests.helpers import free_port, join_ranks, make_image_folder
 from training.callbacks import ModelCheckpoint
@@ -25,6 +25,7 @@ from training.checkpointing import (
 )
 from training.export import load_for_export
 from training.faults import fault_callbacks
+from training.callbacks import FreezeBackbone
 from training.fsdp import FSDP2Strategy, consolidate
 from training.strategy import CompressedDDPStrategy
 
@@ -71,8 +72,8 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path, monkeypatch):
         (FSDP2Strategy(units=["torchvision.models.resnet.BasicBlock"]), "fused",
          "model.optimizer_impl: fused SGD does not run on sharded"),
     ]:
-        model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, batch_size=2, optimizer_impl=impl,
-                                channels_last=False)
+        model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                                batch_size=2, levers=Levers(channels_last=False, optimizer_impl=impl))
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, limit_val_batches=0,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
@@ -86,8 +87,8 @@ def test_a_sharded_checkpoint_is_renamed_into_place_and_never_holds_nan(tmp_path
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     root = make_image_folder(tmp_path / "images", {"a": 2, "b": 2}, size=32)
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=0, batch_size=2, optimizer_impl="foreach",
-                            channels_last=False)
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                            batch_size=2, levers=Levers(channels_last=False, optimizer_impl="foreach"))
     strategy = FSDP2Strategy(units=["torchvision.models.resnet.BasicBlock"])
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, limit_val_batches=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -105,9 +106,9 @@ def test_a_sharded_checkpoint_is_renamed_into_place_and_never_holds_nan(tmp_path
     assert all(torch.equal(t, whole[name]) for name, t in _full_state(single).items())
     before = (path / ".metadata").stat().st_mtime_ns
     with torch.no_grad():
-        model.net.fc.weight.fill_(float("nan"))
+        model.net.head.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteWeightsError, match=r"not writing .*last.ckpt: weight tensor\(s\) hold NaN \(first "
-                                                    r"on this rank: net.fc.weight\)"):
+                                                    r"on this rank: net.head.weight\)"):
         trainer.save_checkpoint(path)
     assert (path / ".metadata").stat().st_mtime_ns == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
@@ -119,15 +120,16 @@ def _fit(root: str, run: str, strategy, ckpt_path: str | None = None, record: di
     the production config's frozen first epoch, a checkpoint at step SAVE_AT. Returns the whole weights."""
     L.seed_everything(42)
     data = ImageFolderDataModule(root, batch_size=2, num_workers=0, image_size=32, preset="imagenet")
-    model = ImageClassifier(num_classes=2, arch=ARCH, head_hidden=1024, dropout=0.2, batch_size=2,
-                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0.0), freeze_backbone_epochs=1,
-                            channels_last=False, compile=False, optimizer_impl="foreach")  # configs/fsdp.yaml's levers
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch=ARCH, head_hidden=1024, dropout=0.2),
+                            batch_size=2, lr_scheduler=partial(WarmupCosine, warmup_epochs=0.0),
+                            levers=Levers(channels_last=False, compile=False, optimizer_impl="foreach"))  # fsdp.yaml's
     initial = _full_state(model)
     checkpoints = ModelCheckpoint(dirpath=f"{run}/checkpoints", filename="step{step}", every_n_train_steps=SAVE_AT,
                                   auto_insert_metric_name=False, save_top_k=-1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true", max_steps=STEPS,
                         limit_train_batches=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=run, callbacks=[checkpoints, *fault_callbacks()])
+                        enable_model_summary=False, default_root_dir=run,
+                        callbacks=[checkpoints, FreezeBackbone(epochs=1), *fault_callbacks()])
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     if record is not None:
         params = list(model.parameters())
@@ -159,7 +161,7 @@ def _rank(local_rank: int, port: int, root: str, out: str) -> None:
         record["seconds"][name] = round(time.perf_counter() - start, 1)
     fsdp, initial = states["fsdp"], record.pop("initial")
     record["trained"] = {n: not torch.equal(fsdp[n], initial[n])
-                         for n in ("net.layer4.2.conv3.weight", "net.fc.0.weight")}
+                         for n in ("net.backbone.layer4.2.conv3.weight", "net.head.0.weight")}
     record["unlike_ddp"] = [n for n, v in fsdp.items() if not torch.allclose(v, states["ddp"][n], rtol=1e-5, atol=1e-6)]
     record["ddp_max_diff"] = max((v.double() - states["ddp"][n].double()).abs().max().item() for n, v in fsdp.items())
     record["unlike_resumed"] = [n for n, v in fsdp.items() if not torch.equal(v, states["resumed"][n])]
@@ -183,7 +185,7 @@ def test_fsdp2_on_two_cpu_processes_shards_equals_ddp_and_resumes_exactly(tmp_pa
 
     for r in (r0, r1):
         # The frozen epoch left the backbone alone, the thawed one trained it; the head trained in both.
-        assert r["trained"] == {"net.layer4.2.conv3.weight": True, "net.fc.0.weight": True}
+        assert r["trained"] == {"net.backbone.layer4.2.conv3.weight": True, "net.head.0.weight": True}
         # DDP's reference run: the same weights and BatchNorm statistics (FSDP2 reduce-scatters what DDP
         # all-reduces; measured bitwise equal).
         assert r["unlike_ddp"] == [], r["ddp_max_diff"]

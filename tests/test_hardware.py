@@ -15,7 +15,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
 from core import hardware
 from datamodules import ImageFolderDataModule
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier, Levers
 from lightning_modules.classifier import resolve_levers
 from training.trainer import Trainer, device_type
 
@@ -157,7 +157,7 @@ def test_loader_workers_follow_the_device_and_cores(hw, device, devices, expecte
 def test_a_fit_resolves_every_auto_lever_from_the_machine(machine, digits_root, caplog, hw, expected):
     """The model, the loaders and the Trainer of a real (one-batch) fit, on a machine the test pretends to be."""
     machine(hw)
-    model = ImageClassifier(num_classes=10, arch="resnet18", head_hidden=16,
+    model = ImageClassifier(num_classes=10, net=partial(BackboneWithHead, arch="resnet18", head_hidden=16),
                             optimizer=partial(torch.optim.AdamW, lr=0.01))
     data = ImageFolderDataModule(root=str(digits_root), batch_size=8, image_size=32)
     trainer = Trainer(accelerator="cpu", fast_dev_run=1, logger=False, enable_progress_bar=False,
@@ -166,7 +166,7 @@ def test_a_fit_resolves_every_auto_lever_from_the_machine(machine, digits_root, 
         trainer.fit(model, datamodule=data)
     fused = trainer.optimizers[0].defaults.get("fused")
     loader = trainer.train_dataloader
-    got = (trainer.precision, model.net.conv1.weight.is_contiguous(memory_format=torch.channels_last),
+    got = (trainer.precision, model.net.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last),
            "fused" if fused else "default", loader.num_workers)
     assert got == expected
     lines = [r.getMessage() for r in caplog.records]
@@ -176,12 +176,13 @@ def test_a_fit_resolves_every_auto_lever_from_the_machine(machine, digits_root, 
 
 def test_explicit_channels_last_applies_without_a_trainer():
     """Plain torch use (export, notebooks): an explicit true is applied at once, auto waits for the device."""
-    explicit = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0, channels_last=True)
-    auto = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0)
-    assert explicit.net.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    assert not auto.net.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    with pytest.raises(ValueError, match="model.compile='yes' is unknown; choose true, false or auto"):
-        ImageClassifier(num_classes=3, arch="resnet18", compile="yes")
+    explicit = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                               levers=Levers(channels_last=True))
+    auto = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0))
+    assert explicit.net.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not auto.net.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="model.levers.compile='yes' is unknown; choose true, false or auto"):
+        ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"), levers=Levers(compile="yes"))
 
 
 @pytest.mark.cuda

@@ -66,8 +66,6 @@ FENCE = {
                         "(load_from_checkpoint); ours wrap it"),
     "_hparams_initial": ("training/callbacks/run_config.py: RunConfig.setup",
                          "secrets masked in the hyperparameters Lightning logs; `hparams_initial` returns a copy"),
-    "_trainer": ("lightning_modules/classifier.py",
-                 "read before the Trainer is attached (the network refactor drops it)"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The network builder and the LightningModule: shapes, head, weights from files, freezing, lr scaling."""
+"""The default network and the LightningModule: shapes, head, weights from files, freezing, lr scaling."""
 
 from __future__ import annotations
 
@@ -17,21 +17,23 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules import ImageFolderDataModule
-from lightning_modules import ImageClassifier, build_network
+from lightning_modules import BackboneWithHead, ImageClassifier, Levers, Recipe
 from lightning_modules.losses import BinaryCrossEntropy
 from lightning_modules.schedules import WarmupCosine
 from lightning_modules.targets import batch_mix
 from tests.helpers import make_image_folder
+from training.callbacks import FreezeBackbone
 
 
 @pytest.mark.parametrize(("arch", "features"), [("resnet18", 512), ("resnet50", 2048)])
 def test_head_is_pool_hidden_layer_classes(arch, features):
-    net = build_network(arch, head_hidden=1024, num_classes=7)
-    linears = [m for m in net.fc.modules() if isinstance(m, nn.Linear)]
+    net = BackboneWithHead(7, arch=arch, head_hidden=1024)
+    linears = [m for m in net.head.modules() if isinstance(m, nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(features, 1024), (1024, 7)]
-    assert any(isinstance(m, nn.ReLU) for m in net.fc.modules())
-    assert any(isinstance(m, nn.Dropout) for m in net.fc.modules())
-    assert isinstance(net.avgpool, nn.AdaptiveAvgPool2d)  # global average pool before the head
+    assert any(isinstance(m, nn.ReLU) for m in net.head.modules())
+    assert any(isinstance(m, nn.Dropout) for m in net.head.modules())
+    assert isinstance(net.backbone.avgpool, nn.AdaptiveAvgPool2d)  # global average pool before the head
+    assert isinstance(net.backbone.fc, nn.Identity) and net.head_modules() == [net.head]
 
 
 @pytest.mark.parametrize(("arch", "head", "features"), [
@@ -41,15 +43,16 @@ def test_head_is_pool_hidden_layer_classes(arch, features):
     ("regnet_x_400mf", "fc", 400),
 ])
 def test_any_torchvision_classifier_gets_the_head_in_place_of_its_last_linear(arch, head, features):
-    net = build_network(arch, head_hidden=32, num_classes=5)
-    assert net.head_name == head
-    linears = [m for m in net.get_submodule(head).modules() if isinstance(m, nn.Linear)]
+    net = BackboneWithHead(5, arch=arch, head_hidden=32)
+    assert isinstance(net.backbone.get_submodule(head), nn.Identity)  # its last Linear, dropped
+    linears = [m for m in net.head.modules() if isinstance(m, nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(features, 32), (32, 5)]
     out = net.eval()(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 5) and torch.isfinite(out).all()
-    model = ImageClassifier(num_classes=5, arch=arch, head_hidden=32, backbone_lr_ratio=0.1, lr_scaling="none",
-                            optimizer=partial(torch.optim.SGD, lr=0.256))
-    head_params = {id(p) for p in model.net.get_submodule(head).parameters()}
+    model = ImageClassifier(num_classes=5, net=partial(BackboneWithHead, arch=arch, head_hidden=32),
+                            optimizer=partial(torch.optim.SGD, lr=0.256),
+                            recipe=Recipe(lr_scaling="none", backbone_lr_ratio=0.1))
+    head_params = {id(p) for p in model.net.head.parameters()}
     for group in model.make_optimizer().param_groups:  # the head's lr, and the backbone's at 0.1 of it: nothing else
         assert group["lr"] == pytest.approx(0.256 if id(group["params"][0]) in head_params else 0.0256)
         assert {id(p) in head_params for p in group["params"]} == {id(group["params"][0]) in head_params}
@@ -59,26 +62,27 @@ def test_backbone_weights_of_another_model_family_load_and_its_classifier_does_n
     source = torchvision.models.efficientnet_b0(weights=None)
     path = tmp_path / "efficientnet_b0.pth"
     torch.save(source.state_dict(), path)
-    net = build_network("efficientnet_b0", weights=str(path), head_hidden=0, num_classes=3)
-    assert torch.equal(net.features[0][0].weight, source.features[0][0].weight)
-    assert net.classifier[1].out_features == 3
+    net = BackboneWithHead(3, arch="efficientnet_b0", weights=str(path), head_hidden=0)
+    assert torch.equal(net.backbone.features[0][0].weight, source.features[0][0].weight)
+    assert net.head.out_features == 3
 
 
 def test_unknown_arch_suggests_close_names_and_a_model_without_linear_classifier_is_refused():
     with pytest.raises(ValueError, match="did you mean convnext_tiny"):
-        build_network("convnext_tiniest")
+        BackboneWithHead(1000, arch="convnext_tiniest")
     with pytest.raises(ValueError, match="squeezenet1_0 has no Linear classifier"):
-        build_network("squeezenet1_0")
+        BackboneWithHead(1000, arch="squeezenet1_0")
 
 
 def test_head_hidden_zero_is_a_single_linear_layer():
-    net = build_network("resnet18", head_hidden=0, num_classes=3)
-    assert isinstance(net.fc, nn.Linear) and (net.fc.in_features, net.fc.out_features) == (512, 3)
+    net = BackboneWithHead(3, arch="resnet18", head_hidden=0)
+    assert isinstance(net.head, nn.Linear) and (net.head.in_features, net.head.out_features) == (512, 3)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_forward_shape_and_finite(channels_last):
-    model = ImageClassifier(num_classes=5, arch="resnet18", channels_last=channels_last).eval()
+    model = ImageClassifier(num_classes=5, net=partial(BackboneWithHead, arch="resnet18"),
+                            levers=Levers(channels_last=channels_last)).eval()
     with torch.no_grad():
         out = model(torch.randn(3, 3, 64, 64))
     assert out.shape == (3, 5) and out.dtype == torch.float32
@@ -89,30 +93,41 @@ def test_weights_from_torchvision_state_dict_file(tmp_path):
     source = torchvision.models.resnet18(weights=None)
     path = tmp_path / "resnet18.pth"
     torch.save(source.state_dict(), path)
-    net = build_network("resnet18", weights=str(path), num_classes=4)
-    assert torch.equal(net.conv1.weight, source.conv1.weight)
-    assert torch.equal(net.layer4[1].bn2.running_var, source.layer4[1].bn2.running_var)
-    assert net.fc[-1].out_features == 4  # the 1000-class classifier is not taken
+    net = BackboneWithHead(4, arch="resnet18", weights=str(path))
+    assert torch.equal(net.backbone.conv1.weight, source.conv1.weight)
+    assert torch.equal(net.backbone.layer4[1].bn2.running_var, source.layer4[1].bn2.running_var)
+    assert net.head[-1].out_features == 4  # the 1000-class classifier is not taken
 
 
 def test_weights_from_a_project_checkpoint(tmp_path):
-    trained = ImageClassifier(num_classes=3, arch="resnet18")
+    trained = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"))
     path = tmp_path / "run.ckpt"
     torch.save({"state_dict": trained.state_dict(), "hyper_parameters": dict(trained.hparams)}, path)
-    net = build_network("resnet18", weights=str(path), num_classes=6)
-    assert torch.equal(net.layer1[0].conv1.weight, trained.net.layer1[0].conv1.weight)
+    net = BackboneWithHead(6, arch="resnet18", weights=str(path))
+    assert torch.equal(net.backbone.layer1[0].conv1.weight, trained.net.backbone.layer1[0].conv1.weight)
+
+
+def test_weights_from_a_checkpoint_of_the_layout_before_the_net_seam(tmp_path):
+    """Checkpoints written before model.net: the torchvision model's own keys under `net.`, its head at `net.fc.`."""
+    source = torchvision.models.resnet18(weights=None)
+    source.fc = nn.Sequential(nn.Linear(512, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {f"net.{k}": v for k, v in source.state_dict().items()}}, path)
+    net = BackboneWithHead(5, arch="resnet18", weights=str(path))
+    assert torch.equal(net.backbone.layer4[1].conv2.weight, source.layer4[1].conv2.weight)
+    assert net.head[-1].out_features == 5
 
 
 def test_weights_for_another_arch_are_refused(tmp_path):
     path = tmp_path / "r18.pth"
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
     with pytest.raises(ValueError, match="does not fit resnet50"):
-        build_network("resnet50", weights=str(path))
+        BackboneWithHead(1000, arch="resnet50", weights=str(path))
 
 
 def test_missing_weights_file_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pth does not exist"):
-        build_network("resnet18", weights=str(tmp_path / "nope.pth"))
+        BackboneWithHead(1000, arch="resnet18", weights=str(tmp_path / "nope.pth"))
 
 
 def test_weights_name_loads_from_the_torch_hub_cache(tmp_path, monkeypatch):
@@ -121,8 +136,8 @@ def test_weights_name_loads_from_the_torch_hub_cache(tmp_path, monkeypatch):
     cache = tmp_path / "hub" / "checkpoints"
     cache.mkdir(parents=True)
     torch.save(source.state_dict(), cache / "resnet18-f37072fd.pth")  # IMAGENET1K_V1's file name
-    net = build_network("resnet18", weights="IMAGENET1K_V1")
-    assert torch.equal(net.conv1.weight, source.conv1.weight)
+    net = BackboneWithHead(1000, arch="resnet18", weights="IMAGENET1K_V1")
+    assert torch.equal(net.backbone.conv1.weight, source.conv1.weight)
 
 
 def test_weights_name_without_network_says_where_to_put_the_file(tmp_path, monkeypatch):
@@ -134,19 +149,20 @@ def test_weights_name_without_network_says_where_to_put_the_file(tmp_path, monke
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
     expected = str(tmp_path / "hub" / "checkpoints" / "resnet50-11ad3fa6.pth")
     with pytest.raises(RuntimeError, match="Network is unreachable") as err:
-        build_network("resnet50", weights="IMAGENET1K_V2")
+        BackboneWithHead(1000, arch="resnet50", weights="IMAGENET1K_V2")
     assert expected in str(err.value)
 
 
 def test_unknown_weights_name_lists_the_choices():
     with pytest.raises(ValueError, match="IMAGENET1K_V1"):
-        build_network("resnet18", weights="IMAGENET9K")
+        BackboneWithHead(1000, arch="resnet18", weights="IMAGENET9K")
 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW, torch.optim.RMSprop])
 def test_param_groups_skip_weight_decay_on_biases_and_norms(optimizer):
-    model = ImageClassifier(num_classes=3, arch="resnet18", backbone_lr_ratio=0.1, lr_scaling="none",
-                            optimizer=partial(optimizer, lr=0.256, weight_decay=0.1))
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"),
+                            optimizer=partial(optimizer, lr=0.256, weight_decay=0.1),
+                            recipe=Recipe(lr_scaling="none", backbone_lr_ratio=0.1))
     groups = model.make_optimizer().param_groups
     assert isinstance(model.make_optimizer(), optimizer) and len(groups) == 4
     assert sum(len(g["params"]) for g in groups) == len(list(model.net.parameters()))
@@ -156,16 +172,17 @@ def test_param_groups_skip_weight_decay_on_biases_and_norms(optimizer):
 
 
 def test_weight_decay_on_norms_and_biases_too_when_asked():
-    model = ImageClassifier(num_classes=3, arch="resnet18", decay_norms_and_biases=True,
-                            optimizer=partial(torch.optim.AdamW, lr=0.1, weight_decay=0.1))
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"),
+                            optimizer=partial(torch.optim.AdamW, lr=0.1, weight_decay=0.1),
+                            recipe=Recipe(decay_norms_and_biases=True))
     groups = model.make_optimizer().param_groups
     assert len(groups) == 2 and all(g["weight_decay"] == 0.1 for g in groups)  # head and backbone
 
 
 def test_the_optimizer_impl_lever_is_passed_where_the_optimizer_takes_it_and_the_config_left_it_unset():
     def built(optimizer, impl):
-        model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0, optimizer=optimizer,
-                                optimizer_impl=impl)
+        model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                                optimizer=optimizer, levers=Levers(optimizer_impl=impl))
         return model.make_optimizer().defaults
     assert built(partial(torch.optim.SGD, lr=0.1), "fused")["fused"] is True
     assert built(partial(torch.optim.SGD, lr=0.1, fused=False), "fused")["foreach"] is True  # set: kept, foreach
@@ -176,7 +193,8 @@ def test_the_optimizer_impl_lever_is_passed_where_the_optimizer_takes_it_and_the
 
 @pytest.mark.parametrize(("scaling", "expected"), [("linear", 0.5), ("sqrt", 0.5**0.5), ("none", 1.0)])
 def test_lr_scales_with_the_global_batch(scaling, expected):
-    model = ImageClassifier(num_classes=3, arch="resnet18", batch_size=64, lr_scaling=scaling)
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"), batch_size=64,
+                            recipe=Recipe(lr_scaling=scaling))
     model.trainer = L.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=2, logger=False)
     assert model.lr_scale() == pytest.approx(expected)  # global batch 1 x 64 x 2 = 128 images
 
@@ -187,7 +205,7 @@ def _fit(root, epochs: int | None = 1, callbacks=(), trainer_kwargs: dict | None
     L.seed_everything(0)
     dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, preset="none", image_size=32)
     warmup = model_kwargs.pop("warmup_epochs", 0)
-    model = ImageClassifier(num_classes=dm.num_classes, arch="resnet18", head_hidden=16,
+    model = ImageClassifier(num_classes=dm.num_classes, net=partial(BackboneWithHead, arch="resnet18", head_hidden=16),
                             **{"optimizer": partial(torch.optim.SGD, lr=1.0, momentum=0.9, nesterov=True),
                                "lr_scheduler": partial(WarmupCosine, warmup_epochs=warmup), **model_kwargs})
     before = {k: v.clone() for k, v in model.net.state_dict().items()}
@@ -206,7 +224,7 @@ class _BackwardThrough(Callback):
         self.backward, self.with_state = [], []
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        pl_module.net.layer1.register_full_backward_hook(lambda *args: self.backward.__setitem__(-1,
+        pl_module.net.backbone.layer1.register_full_backward_hook(lambda *args: self.backward.__setitem__(-1,
                                                                                                  self.backward[-1] + 1))
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -214,29 +232,29 @@ class _BackwardThrough(Callback):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         state = trainer.optimizers[0].state
-        self.with_state.append(sum(1 for n, p in pl_module.net.named_parameters() if not n.startswith("fc.")
+        self.with_state.append(sum(1 for n, p in pl_module.net.named_parameters() if not n.startswith("head.")
                                    and state.get(p)))
 
 
 def test_frozen_backbone_stays_fixed_while_the_head_learns(tmp_path):
     make_image_folder(tmp_path, {"a": 6, "b": 6}, size=32)
     probe = _BackwardThrough()
-    model, before = _fit(tmp_path, freeze_backbone_epochs=1, callbacks=[probe])
+    model, before = _fit(tmp_path, callbacks=[FreezeBackbone(epochs=1), probe])
     after = model.net.state_dict()
-    backbone = [k for k in before if not k.startswith("fc.")]
+    backbone = [k for k in before if not k.startswith("head.")]
     assert all(torch.equal(before[k], after[k]) for k in backbone)  # weights and BatchNorm statistics
-    assert not torch.equal(before["fc.0.weight"], after["fc.0.weight"])
+    assert not torch.equal(before["head.0.weight"], after["head.0.weight"])
     # Really frozen: no backward pass through it, no momentum built up for it (only its learning rate at 0 before)
     assert probe.backward == [0] and probe.with_state == [0]
 
     probe = _BackwardThrough()
-    model, before = _fit(tmp_path, epochs=2, freeze_backbone_epochs=1, callbacks=[probe])
+    model, before = _fit(tmp_path, epochs=2, callbacks=[FreezeBackbone(epochs=1), probe])
     assert probe.backward[0] == 0 and probe.backward[1] > 0  # thawed at epoch 1
     assert probe.with_state[0] == 0 and probe.with_state[1] > 0
-    assert not torch.equal(before["conv1.weight"], model.net.state_dict()["conv1.weight"])
+    assert not torch.equal(before["backbone.conv1.weight"], model.net.state_dict()["backbone.conv1.weight"])
 
-    model, before = _fit(tmp_path, freeze_backbone_epochs=0)
-    assert not torch.equal(before["conv1.weight"], model.net.state_dict()["conv1.weight"])
+    model, before = _fit(tmp_path, callbacks=[FreezeBackbone(epochs=0)])
+    assert not torch.equal(before["backbone.conv1.weight"], model.net.state_dict()["backbone.conv1.weight"])
 
 
 class HeadLrFactors(Callback):
@@ -296,7 +314,8 @@ def test_predict_returns_a_result_for_every_image(tmp_path):
         image = torchvision.transforms.functional.to_pil_image(torch.rand(3, 40, 40))
         image.save(tmp_path / "imgs" / f"d{i % 2}" / f"{i}.png")
     dm = ImageFolderDataModule(None, batch_size=3, num_workers=0, image_size=32, predict_dir=str(tmp_path / "imgs"))
-    model = ImageClassifier(num_classes=3, class_names=["cat", "dog", "eel"], arch="resnet18")
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"),
+                            class_names=["cat", "dog", "eel"])
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     batches = trainer.predict(model, dm)
     assert sum(len(b["index"]) for b in batches) == 7
@@ -313,17 +332,18 @@ def test_predict_returns_a_result_for_every_image(tmp_path):
     [
         ({"optimizer": partial(torch.optim.SGD, lr=-0.1)}, "model.optimizer (SGD): Invalid learning rate: -0.1"),
         ({"optimizer": "adam"}, "model.optimizer='adam' is not a class_path: give the class, e.g. torch.optim.AdamW"),
-        ({"arch": "resnet51"}, "model.arch='resnet51' is not a torchvision classification model; did you mean"),
+        ({"net": partial(BackboneWithHead, arch="resnet51")},
+         "model.net.arch='resnet51' is not a torchvision classification model; did you mean"),
         ({"class_names": ["a"]}, "model.class_names has 1 names but model.num_classes=3"),
     ],
 )
 def test_bad_model_arguments_name_the_key(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        ImageClassifier(num_classes=3, **{"arch": "resnet18", **kwargs})
+        ImageClassifier(num_classes=3, **{"net": partial(BackboneWithHead, arch="resnet18"), **kwargs})
 
 
 def test_the_printed_learning_rate_is_the_scaled_peak_not_the_first_warm_up_step(caplog):
-    model = ImageClassifier(num_classes=3, arch="resnet18", batch_size=64,
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"), batch_size=64,
                             optimizer=partial(torch.optim.AdamW, lr=0.016),
                             lr_scheduler=partial(WarmupCosine, warmup_epochs=1))
     model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False)
@@ -373,8 +393,9 @@ def test_with_both_on_each_batch_gets_mixup_or_cutmix():
 
 def test_a_fit_with_mixup_and_cutmix_trains_on_mixed_batches():
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 2
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, mixup_alpha=0.2, cutmix_alpha=1.0,
-                            batch_size=4, channels_last=False)
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                            batch_size=4, recipe=Recipe(mixup_alpha=0.2, cutmix_alpha=1.0),
+                            levers=Levers(channels_last=False))
     seen = []
     model.net.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
@@ -404,7 +425,8 @@ def test_ema_weights_are_validated_and_saved_the_trained_ones_kept(tmp_path):
 
     torch.manual_seed(0)
     x, y = torch.randn(16, 3, 16, 16), torch.arange(16) % 2
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, batch_size=4, channels_last=False)
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                            batch_size=4, levers=Levers(channels_last=False))
     ema = EMAWeightAveraging(decay=0.5)
     recorder = _ValidationWeights(ema)
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
@@ -413,7 +435,7 @@ def test_ema_weights_are_validated_and_saved_the_trained_ones_kept(tmp_path):
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     trainer.fit(model, loader, loader)
     (validated, trained), = recorder.seen
-    key = "net.fc.3.weight"
+    key = "net.head.3.weight"
     averaged = {k.removeprefix("module."): v for k, v in ema._average_model.state_dict().items()}
     assert torch.equal(validated[key], averaged[key])  # what validation ran with is the average...
     assert not torch.equal(validated[key], trained[key])  # ...not the trained weights
@@ -425,9 +447,9 @@ def test_ema_weights_are_validated_and_saved_the_trained_ones_kept(tmp_path):
 @pytest.mark.parametrize(("arch", "head", "features"), [("timm/resnet18", "fc", 512),
                                                           ("timm/convnext_atto", "head.fc", 320)])
 def test_timm_models_get_the_same_head_in_place_of_their_named_classifier(arch, head, features):
-    net = build_network(arch, head_hidden=16, num_classes=3)
-    assert net.head_name == head
-    linears = [m for m in net.get_submodule(head).modules() if isinstance(m, nn.Linear)]
+    net = BackboneWithHead(3, arch=arch, head_hidden=16)
+    assert isinstance(net.backbone.get_submodule(head), nn.Identity)
+    linears = [m for m in net.head.modules() if isinstance(m, nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(features, 16), (16, 3)]
     assert net.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 3)
 
@@ -439,9 +461,9 @@ def test_timm_weights_from_a_safetensors_file_load_the_backbone_only(tmp_path):
     source = timm.create_model("resnet18", pretrained=False)
     path = tmp_path / "model.safetensors"
     save_file(source.state_dict(), path)
-    net = build_network("timm/resnet18", weights=str(path), head_hidden=0, num_classes=4)
-    assert torch.equal(net.conv1.weight, source.conv1.weight)
-    assert net.fc.out_features == 4
+    net = BackboneWithHead(4, arch="timm/resnet18", weights=str(path), head_hidden=0)
+    assert torch.equal(net.backbone.conv1.weight, source.conv1.weight)
+    assert net.head.out_features == 4
 
 
 def test_timm_pretrained_weights_without_network_name_the_file_to_fetch(tmp_path, monkeypatch):
@@ -450,33 +472,33 @@ def test_timm_pretrained_weights_without_network_name_the_file_to_fetch(tmp_path
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: the variable is too late
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"download https://huggingface.co/timm/resnet18\.a1_in1k/resolve/main/"
-                                           r"model\.safetensors and pass model\.weights="):
-        build_network("timm/resnet18.a1_in1k", weights="DEFAULT")
+                                           r"model\.safetensors and pass model\.net\.weights="):
+        BackboneWithHead(1000, arch="timm/resnet18.a1_in1k", weights="DEFAULT")
 
 
 def test_timm_names_are_checked_and_timm_is_optional(monkeypatch):
     with pytest.raises(ValueError, match="did you mean timm/resnet18"):
-        build_network("timm/resnet18x")
+        BackboneWithHead(1000, arch="timm/resnet18x")
     monkeypatch.setitem(__import__("sys").modules, "timm", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'imgcls\[timm\]'"):
-        build_network("timm/resnet18")
+        BackboneWithHead(1000, arch="timm/resnet18")
 
 
 def test_bce_loss_scores_each_class_against_the_smoothed_or_mixed_targets():
-    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0,
+    model = ImageClassifier(num_classes=4, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
                             loss=BinaryCrossEntropy(label_smoothing=0.2))
     logits, y = torch.randn(3, 4), torch.tensor([0, 3, 1])
     expected = F.binary_cross_entropy_with_logits(logits, F.one_hot(y, 4).float() * 0.8 + 0.05)
     torch.testing.assert_close(model.loss(logits, y), expected)
     soft = torch.tensor([[0.7, 0.3, 0.0, 0.0]] * 3)  # a mixed batch's targets
     torch.testing.assert_close(model.loss(logits, soft), F.binary_cross_entropy_with_logits(logits, soft * 0.8 + 0.05))
-    ce = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0,
+    ce = ImageClassifier(num_classes=4, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
                          loss=torch.nn.CrossEntropyLoss(label_smoothing=0.2))
     torch.testing.assert_close(ce.loss(logits, y), F.cross_entropy(logits, y, label_smoothing=0.2))
 
 
 def test_bce_target_threshold_binarises_the_mixed_targets_as_rsb_does():
-    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0,
+    model = ImageClassifier(num_classes=4, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
                             loss=BinaryCrossEntropy(target_threshold=0.2))
     logits = torch.randn(2, 4)
     mixed = torch.tensor([[0.85, 0.15, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]])  # mixup's weights 0.85/0.15 and 0.5/0.5
@@ -490,14 +512,15 @@ def test_lamb_is_timms_and_trains_with_the_projects_parameter_groups():
     from timm.optim import Lamb
 
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 2
-    model = ImageClassifier(num_classes=2, arch="resnet18", head_hidden=8, optimizer=partial(Lamb, lr=0.008),
-                            loss=BinaryCrossEntropy(), batch_size=4, lr_scaling="none",
-                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0), channels_last=False)
-    before = model.net.fc[0].weight.detach().clone()
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                            optimizer=partial(Lamb, lr=0.008), loss=BinaryCrossEntropy(), batch_size=4,
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0), recipe=Recipe(lr_scaling="none"),
+                            levers=Levers(channels_last=False))
+    before = model.net.head[0].weight.detach().clone()
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     optimizer = trainer.optimizers[0]
     assert isinstance(optimizer, Lamb) and len(optimizer.param_groups) == 4
     assert [g["initial_lr"] for g in optimizer.param_groups] == pytest.approx([0.008] * 4)
-    assert not torch.equal(model.net.fc[0].weight, before) and torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert not torch.equal(model.net.head[0].weight, before) and torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -289,15 +289,15 @@ def _fit_one_step(optimizer: str, impl: str) -> dict[str, torch.Tensor]:
 
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_modules import ImageClassifier
+    from lightning_modules import BackboneWithHead, ImageClassifier, Levers
     from lightning_modules.schedules import WarmupCosine
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,)))
     optimizer_class = {"sgd": partial(torch.optim.SGD, momentum=0.9, nesterov=True), "adamw": torch.optim.AdamW}
-    model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=8, optimizer_impl=impl, batch_size=4,
-                            optimizer=partial(optimizer_class[optimizer], lr=0.5),
-                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0))
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                            batch_size=4, optimizer=partial(optimizer_class[optimizer], lr=0.5),
+                            lr_scheduler=partial(WarmupCosine, warmup_epochs=0), levers=Levers(optimizer_impl=impl))
     L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False).fit(model, DataLoader(data, batch_size=4))
     return {k: v.detach().clone() for k, v in model.net.state_dict().items()}
@@ -315,12 +315,15 @@ def test_foreach_and_fused_optimizers_give_the_default_update(optimizer):
 
 
 def test_compile_option_keeps_checkpoint_keys():
-    from lightning_modules import ImageClassifier
+    from functools import partial
 
-    plain = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=8)
-    compiled = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=8, compile=True)
+    from lightning_modules import BackboneWithHead, ImageClassifier, Levers
+
+    plain = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8))
+    compiled = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                               levers=Levers(compile=True))
     compiled.configure_model()  # what the Trainer calls; compilation itself happens lazily at the first forward
     assert compiled.net._compiled_call_impl is not None and plain.net._compiled_call_impl is None
     assert list(compiled.state_dict()) == list(plain.state_dict())  # checkpoints load either way
     with pytest.raises(ValueError, match="optimizer_impl"):
-        ImageClassifier(num_classes=3, optimizer_impl="apex")
+        ImageClassifier(num_classes=3, levers=Levers(optimizer_impl="apex"))

@@ -20,7 +20,8 @@ import yaml
 from datamodules.images import list_images, load_rgb
 from datamodules.presets import ClassificationPresetEval
 from lightning_modules import ImageClassifier
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
+from lightning_modules.network import without_pretrained_weights
+from tests.helpers import CONFIGS, FREEZE_FIRST_EPOCH, ROOT, TINY, cli_env, free_port, run_cli
 from training.export import main as export_main
 
 FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--trainer.limit_train_batches", "4",
@@ -54,22 +55,24 @@ def checkpoint(tmp_path_factory, digits_root, hub_home):
     """A checkpoint of a tiny run on the digits, fine-tuned from model.weights=IMAGENET1K_V1 with the backbone frozen
     for its one short epoch: its hyperparameters name a torchvision weights enum, as a real fine-tuning run's do."""
     run = tmp_path_factory.mktemp("predict_run")
-    run_cli(*FIT, "--data.root", str(digits_root), "--model.weights", "IMAGENET1K_V1",
-            "--model.freeze_backbone_epochs", "1", "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(run),
+    run_cli(*FIT, "--data.root", str(digits_root), "--model.net.weights", "IMAGENET1K_V1",
+            *FREEZE_FIRST_EPOCH, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(run),
             env=cli_env(TORCH_HOME=str(hub_home)))
     return run / "checkpoints" / "last.ckpt"
 
 
 def load(checkpoint) -> ImageClassifier:
-    return ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights=None).float().eval()
+    net = torch.load(checkpoint, map_location="cpu", weights_only=True)["hyper_parameters"]["net"]
+    return ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu",
+                                                net=without_pretrained_weights(net)).float().eval()
 
 
 def test_fresh_fit_loads_the_pretrained_backbone(checkpoint, hub_home):
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    assert saved["hyper_parameters"]["weights"] == "IMAGENET1K_V1"
+    assert saved["hyper_parameters"]["net"]["init_args"]["weights"] == "IMAGENET1K_V1"
     pretrained = torch.load(hub_home / "hub" / "checkpoints" / "resnet18-f37072fd.pth", weights_only=True)
     for key in ("conv1.weight", "layer4.1.bn2.running_var"):  # frozen for the whole run: still the cached values
-        assert torch.equal(saved["state_dict"][f"net.{key}"], pretrained[key])
+        assert torch.equal(saved["state_dict"][f"net.backbone.{key}"], pretrained[key])
 
 
 def test_validate_from_checkpoint_alone_downloads_nothing(checkpoint, digits_root, tmp_path, offline_env):
@@ -83,15 +86,16 @@ def test_validate_from_checkpoint_alone_downloads_nothing(checkpoint, digits_roo
 def test_resumed_fit_downloads_nothing_and_keeps_the_configured_weights(checkpoint, digits_root, tmp_path,
                                                                         offline_env):
     # The run's own settings (its frozen first epoch too): a resume that changes one is refused (test_from_checkpoint).
-    run_cli(*FIT, "--data.root", str(digits_root), "--model.weights", "IMAGENET1K_V1", "--trainer.max_epochs", "2",
-            "--model.freeze_backbone_epochs", "1", "--ckpt_path", str(checkpoint), "--trainer.default_root_dir",
+    run_cli(*FIT, "--data.root", str(digits_root), "--model.net.weights", "IMAGENET1K_V1", "--trainer.max_epochs", "2",
+            *FREEZE_FIRST_EPOCH, "--ckpt_path", str(checkpoint), "--trainer.default_root_dir",
             str(tmp_path), env=offline_env)
     assert_nothing_downloaded(offline_env)
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["epoch"] == 1
     # A fresh fit of the resolved config, or of the new checkpoint's hyperparameters, still starts from them.
-    assert resumed["hyper_parameters"]["weights"] == "IMAGENET1K_V1"
-    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["weights"] == "IMAGENET1K_V1"
+    assert resumed["hyper_parameters"]["net"]["init_args"]["weights"] == "IMAGENET1K_V1"
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert config["model"]["net"]["init_args"]["weights"] == "IMAGENET1K_V1"
 
 
 @pytest.fixture(scope="module")

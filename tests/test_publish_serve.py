@@ -73,6 +73,7 @@ def test_folder_holds_the_validated_weights_and_a_card_the_hub_reads(folder, tra
     assert weights.keys() == {k.removeprefix("net.") for k in ckpt["state_dict"] if k.startswith("net.")}
     assert all(torch.equal(weights[k], ckpt["state_dict"][f"net.{k}"]) for k in weights)
     config = json.loads((folder / "config.json").read_text())
+    assert config["network"]["class_path"] == "lightning_modules.network.BackboneWithHead"
     assert config["network"]["init_args"] | {"arch": "resnet18", "head_hidden": 32} == config["network"]["init_args"]
     assert config["class_names"] == [str(i) for i in range(10)] and config["num_classes"] == 10
     assert (config["multilabel"], config["threshold"], config["weights"]["averaged"]) == (False, None, False)
@@ -100,20 +101,21 @@ def test_folder_predicts_as_the_checkpoint_and_fine_tunes(folder, trained, image
         torch.testing.assert_close(model(x), reference.eval()(x), rtol=1e-5, atol=1e-5)
 
     common = ["predict", "--data.predict_dir", str(images), "--trainer.accelerator", "cpu", *SETTINGS]
-    run_cli(*common, "--model.weights", str(folder), "--trainer.default_root_dir", str(tmp_path / "from_folder"))
+    run_cli(*common, "--model.net.weights", str(folder), "--trainer.default_root_dir", str(tmp_path / "from_folder"))
     run_cli(*common, "--ckpt_path", str(trained / "checkpoints" / "last.ckpt"), "--trainer.default_root_dir",
             str(tmp_path / "from_ckpt"))
     from_folder = predictions(tmp_path / "from_folder")
     assert len(from_folder) == 20 and from_folder == predictions(tmp_path / "from_ckpt")
     assert len(set(from_folder.values())) >= 5  # a trained model, not one constant label
 
-    fit = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, *SETTINGS, "--model.arch", "resnet50",
-                  "--model.weights", str(folder), "--data.root", str(digits_root),
+    fit = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, *SETTINGS,
+                  "--model.net.arch", "resnet50", "--model.net.weights", str(folder), "--data.root", str(digits_root),
                   "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--trainer.max_epochs",
                   "1", "--auto_resume", "false", "--trainer.default_root_dir", str(tmp_path / "fine_tune"))
-    assert f"model.weights={folder}: loaded the network" in fit.stdout + fit.stderr
+    assert f"model.net.weights={folder}: loaded the network" in fit.stdout + fit.stderr
     tuned = torch.load(tmp_path / "fine_tune" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert tuned["hyper_parameters"]["arch"] == "resnet18"  # the folder's network, over the config's
+    # the folder's network, over the config's
+    assert tuned["hyper_parameters"]["net"]["init_args"]["arch"] == "resnet18"
 
 
 def test_publish_refuses_in_one_line_and_keeps_what_is_there(folder, trained, tmp_path):
@@ -177,7 +179,7 @@ def post(url: str, **kwargs) -> httpx.Response:
 
 
 def test_served_labels_equal_predict_and_batches_form(server, folder, images, tmp_path):
-    run_cli("predict", "--model.weights", str(folder), "--data.predict_dir", str(images), "--trainer.accelerator",
+    run_cli("predict", "--model.net.weights", str(folder), "--data.predict_dir", str(images), "--trainer.accelerator",
             "cpu", *SETTINGS, "--trainer.default_root_dir", str(tmp_path))
     expected = predictions(tmp_path)
     files = sorted(p for p in images.iterdir() if p.suffix in (".png", ".jpg"))

@@ -9,7 +9,7 @@ import yaml
 from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
 
 RECIPES = {  # recipe -> keys it must set in the resolved config, and whether it carries an EMA
-    "torchvision_v2": ({"model.mixup_alpha": 0.2, "model.cutmix_alpha": 1.0,
+    "torchvision_v2": ({"model.recipe.mixup_alpha": 0.2, "model.recipe.cutmix_alpha": 1.0,
                         "model.loss.init_args.label_smoothing": 0.1,
                         "data.train_transform.init_args.auto_augment": "trivialaugment",
                         "data.train_transform.init_args.random_erasing": 0.1,
@@ -17,7 +17,7 @@ RECIPES = {  # recipe -> keys it must set in the resolved config, and whether it
                         "model.optimizer.init_args.nesterov": False}, True),
     "rsb_a3": ({"model.optimizer.class_path": "timm.optim.Lamb",
                 "model.loss.class_path": "lightning_modules.losses.BinaryCrossEntropy",
-                "model.loss.init_args.target_threshold": 0.2, "model.mixup_alpha": 0.1,
+                "model.loss.init_args.target_threshold": 0.2, "model.recipe.mixup_alpha": 0.1,
                 "data.train_transform.init_args.auto_augment": "randaugment",
                 "data.train_transform.init_args.auto_augment_magnitude": 6,
                 "model.optimizer.init_args.lr": 0.001, "model.optimizer.init_args.weight_decay": 0.02,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import signal
 from functools import partial
@@ -14,12 +15,24 @@ import torch
 import yaml
 from torch import nn
 
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier, Recipe
 from lightning_modules.losses import BinaryCrossEntropy
+from lightning_modules.network import head_parameter_names
 from lightning_modules.optim import rescale_learning_rates
 from lightning_modules.schedules import WarmupCosine
-from tests.helpers import CONFIGS, TINY, kill_args, make_image_folder, max_diff, run_cli, shipped_config
-from tests.user_plugins import FocalLoss, LinearDecay
+from tests.helpers import (
+    CONFIGS,
+    TINY,
+    kill_args,
+    killed_and_resumed,
+    make_image_folder,
+    max_diff,
+    resume_config,
+    run_cli,
+    shipped_config,
+)
+from tests.user_plugins import FocalLoss, LinearDecay, SmallGeMNet
+from training.callbacks import FreezeBackbone
 
 LOSSES = [nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1), BinaryCrossEntropy(0.1, 0.2),
           FocalLoss(2.0)]
@@ -41,7 +54,8 @@ def test_a_loss_meets_the_contract(loss):
 
 def test_the_model_trains_and_evaluates_with_the_loss_it_is_given():
     """train/loss and val/loss are the injected loss, not a cross-entropy of the model's own."""
-    model = ImageClassifier(num_classes=4, arch="resnet18", head_hidden=0, loss=FocalLoss(gamma=2.0))
+    model = ImageClassifier(num_classes=4, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                            loss=FocalLoss(gamma=2.0))
     logits, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 0])
     torch.testing.assert_close(model.loss(logits, y), FocalLoss(2.0)(logits, y))
     assert "loss" not in model.hparams  # an object from Python: not in the weights_only checkpoint
@@ -121,7 +135,7 @@ def test_the_world_size_rescale_doubles_every_learning_rate_of_any_optimizer_and
 
 
 def test_a_python_optimizer_and_scheduler_are_left_out_of_the_hyperparameters():
-    model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0,
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
                             optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01),
                             lr_scheduler=partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1))
     assert "optimizer" not in model.hparams and "lr_scheduler" not in model.hparams  # weights_only could not load them
@@ -129,8 +143,8 @@ def test_a_python_optimizer_and_scheduler_are_left_out_of_the_hyperparameters():
 
 
 def test_a_users_scheduler_gets_the_runs_length_from_the_model():
-    model = ImageClassifier(num_classes=3, arch="resnet18", head_hidden=0, batch_size=256, lr_scheduler=LinearDecay,
-                            optimizer=partial(torch.optim.SGD, lr=0.4))
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+                            batch_size=256, lr_scheduler=LinearDecay, optimizer=partial(torch.optim.SGD, lr=0.4))
     model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False)
     with mock.patch.object(type(model.trainer), "estimated_stepping_batches", 8):
         config = model.configure_optimizers()
@@ -152,7 +166,9 @@ def test_rmsprop_with_one_cycle_by_class_path_alone_fits_and_resumes_after_kill9
     cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu",
                           enable_progress_bar=False, enable_model_summary=False)
     cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    cfg["model"].update(arch="resnet18", head_hidden=32, channels_last=False, **ONE_CYCLE)
+    cfg["model"]["net"]["init_args"].update(arch="resnet18", head_hidden=32)
+    cfg["model"]["levers"]["channels_last"] = False
+    cfg["model"].update(**ONE_CYCLE)
     cfg["data"].update(root=str(data), batch_size=4, num_workers=0, image_size=32)
     config = tmp_path / "one_cycle.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -176,3 +192,94 @@ def test_rmsprop_with_one_cycle_by_class_path_alone_fits_and_resumes_after_kill9
     model = ImageClassifier.load_from_checkpoint(tmp_path / "killed" / "checkpoints" / "last.ckpt",
                                                  map_location="cpu", weights_only=True)
     assert isinstance(model.make_optimizer(), torch.optim.RMSprop)
+
+
+# ---- network ----------------------------------------------------------------------------------------------------
+
+class _NoHead(nn.Module):
+    """A network that declares no head: all of it is the head."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(4, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("net", [partial(BackboneWithHead, arch="resnet18", head_hidden=8), SmallGeMNet, _NoHead],
+                         ids=["BackboneWithHead", "SmallGeMNet", "no declaration"])
+def test_a_network_meets_the_contract(net):
+    """lightning_modules/network.py: built with num_classes, (B, 3, H, W) -> (B, num_classes) logits; its declared
+    head holds parameters and is not the whole network."""
+    built = net(5)
+    assert built.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+    head = head_parameter_names(built)
+    everything = {name for name, _ in built.named_parameters()}
+    assert head and head <= everything and (head < everything) == (net is not _NoHead)
+
+
+def test_the_declared_head_drives_param_groups_freezing_and_frozen_batchnorm():
+    """SmallGeMNet's head is its GeM pooling and classifier: those alone are the head's groups, learn at the head's lr,
+    stay trainable under FreezeBackbone, while every backbone BatchNorm is held in eval mode."""
+    model = ImageClassifier(num_classes=3, net=SmallGeMNet, recipe=Recipe(lr_scaling="none", backbone_lr_ratio=0.1),
+                            optimizer=partial(torch.optim.SGD, lr=0.5))
+    head = {id(p) for m in model.net.head_modules() for p in m.parameters()}
+    groups = model.make_optimizer().param_groups
+    for group in groups:
+        assert {id(p) in head for p in group["params"]} == {group["is_head"]}
+        assert group["lr"] == pytest.approx(0.5 if group["is_head"] else 0.05)
+    assert {id(p) for g in groups if g["is_head"] for p in g["params"]} == head  # the GeM exponent included
+    freeze, trainer = FreezeBackbone(epochs=1), mock.Mock(current_epoch=0)
+    freeze.setup(trainer, model, "fit")
+    assert {n for n, p in model.net.named_parameters() if p.requires_grad} == {"pool.p", "classifier.weight",
+                                                                                "classifier.bias"}
+    model.train()
+    freeze.on_train_batch_start(trainer, model, None, 0)
+    assert [m.training for m in model.net.features if isinstance(m, nn.BatchNorm2d)] == [False, False]
+    trainer.current_epoch = 1  # the thaw; Lightning restored each module's mode after validating: no model.train()
+    freeze.on_train_epoch_start(trainer, model)
+    freeze.on_train_batch_start(trainer, model, None, 0)
+    assert all(p.requires_grad for p in model.net.parameters())
+    assert all(m.training for m in model.net.features if isinstance(m, nn.BatchNorm2d))
+
+
+def test_a_network_without_the_declaration_is_all_head_and_refuses_what_needs_a_backbone():
+    model = ImageClassifier(num_classes=3, net=_NoHead)
+    assert all(g["is_head"] for g in model.make_optimizer().param_groups)
+    expected = r"declares none: add a method head_modules\(self\) -> list\[nn.Module\] returning its head"
+    with pytest.raises(ValueError, match=r"^FreezeBackbone\(epochs=1\) needs the network's backbone, and _NoHead "
+                                         + expected):
+        FreezeBackbone(epochs=1).setup(mock.Mock(current_epoch=0), model, "fit")
+    with pytest.raises(ValueError, match=r"^model.recipe.backbone_lr_ratio=0.1 needs .*" + expected):
+        ImageClassifier(num_classes=3, net=_NoHead, recipe=Recipe(backbone_lr_ratio=0.1))
+
+
+def test_a_users_network_with_its_own_pooling_and_head_by_class_path_alone(tmp_path):
+    """tests/user_plugins.py's SmallGeMNet named in YAML only, its backbone frozen for epoch 0 and at a tenth of the
+    head's lr: it fits, a run SIGKILLed mid-epoch 0 resumes to the weights of the run never killed, the checkpoint
+    holds the network as class_path and init_args, and validate and predict rebuild it from the checkpoint alone."""
+    data = make_image_folder(tmp_path / "images", {"a": 8, "b": 8}, size=32)
+    cfg = resume_config()
+    cfg["model"]["net"] = {"class_path": "tests.user_plugins.SmallGeMNet", "init_args": {"width": 8}}
+    cfg["model"]["recipe"]["backbone_lr_ratio"] = 0.1
+    cfg["trainer"]["callbacks"].append({"class_path": "training.callbacks.FreezeBackbone", "init_args": {"epochs": 1}})
+    cfg["data"].update(root=str(data), batch_size=4, num_workers=0, image_size=32)
+    config = tmp_path / "gem.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0
+    ckpt = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["net"] == {"class_path": "tests.user_plugins.SmallGeMNet",
+                                                "init_args": {"width": 8}}
+    assert "net.pool.p" in saved["state_dict"]
+    common = ["--ckpt_path", str(ckpt), "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+              "--trainer.default_root_dir", str(tmp_path / "eval")]
+    validated = run_cli("validate", *common, "--data.root", str(data), "--data.image_size", "32",
+                        "--data.num_workers", "0")
+    assert "val/acc" in validated.stdout
+    run_cli("predict", *common, "--data.root", "null", "--data.predict_dir", str(data / "val"),
+            "--data.num_workers", "0")
+    rows = list(csv.DictReader((tmp_path / "eval" / "predictions.csv").open()))
+    assert len(rows) == len(list((data / "val").rglob("*.png"))) and {r["class_name"] for r in rows} <= {"a", "b"}

@@ -41,7 +41,7 @@ SBATCH = ["--nodes=1", f"--ntasks-per-node={TASKS}", "--gpus-per-node=0", "--cpu
 # The production config (imagenet_ddp8.yaml) shrunk: resnet18 at 32 px on the CPU, random initial weights (no
 # download), fp32, two short epochs; the same for the SLURM job and the uninterrupted reference. Its random crops
 # and flips (preset imagenet) stay on: each draw is seeded by its position (SeededDraws), so a resume replays them.
-FIT = [*TINY, "--model.weights", "null", "--data.batch_size", "4", "--trainer.precision", "32-true",
+FIT = [*TINY, "--model.net.weights", "null", "--data.batch_size", "4", "--trainer.precision", "32-true",
        "--trainer.max_epochs", "2", "--data.fast_decode", "false"]
 
 

@@ -1,4 +1,4 @@
-"""A researcher's own parts, outside the packages, plugged in by `class_path` alone: a loss, a schedule
+"""A researcher's own parts, outside the packages, plugged in by `class_path` alone: a network, a loss, a schedule
 (tests/test_seams.py), a data source (tests/test_data_sources.py) and transforms (tests/test_transforms.py), as
 docs/EXTENDING.md shows them."""
 
@@ -11,6 +11,35 @@ from torch.utils.data import Dataset, TensorDataset
 from torchvision.transforms.v2 import functional as TF
 
 from datamodules import ClassificationData
+
+
+class GeM(nn.Module):
+    """Generalised-mean pooling (Radenovic et al., 2018): (B, C, H, W) -> (B, C), mean of x ** p, p learnt."""
+
+    def __init__(self, p: float = 3.0) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(p))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(min=1e-6).pow(self.p).mean(dim=(2, 3)).pow(1 / self.p)
+
+
+class SmallGeMNet(nn.Module):
+    """A small conv backbone, then its own head: GeM pooling and a linear layer."""
+
+    def __init__(self, num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, width, 3, stride=2, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+                                      nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.BatchNorm2d(2 * width),
+                                      nn.ReLU())
+        self.pool = GeM()
+        self.classifier = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pool(self.features(x)))  # (B, 3, H, W) -> (B, 2 * width) -> (B, num_classes)
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.pool, self.classifier]
 
 
 class FocalLoss(nn.Module):

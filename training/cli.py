@@ -33,7 +33,14 @@ from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
 import yaml
-from jsonargparse import ArgumentError, ArgumentParser, DefaultHelpFormatter, Namespace, set_dumper
+from jsonargparse import (
+    ArgumentError,
+    ArgumentParser,
+    DefaultHelpFormatter,
+    Namespace,
+    set_dumper,
+    set_parsing_settings,
+)
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
@@ -43,6 +50,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
+from lightning_modules.network import net_weights, without_pretrained_weights
 from lightning_modules.pretrained import is_model_folder, load_network_weights, network_kwargs_of
 from training.callbacks import PredictionWriter, RunConfig
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
@@ -100,6 +108,8 @@ class _ConfigDumper(yaml.SafeDumper):
 
 _ConfigDumper.add_multi_representer(int, lambda dumper, value: dumper.represent_int(int(value)))
 _ConfigDumper.add_multi_representer(float, lambda dumper, value: dumper.represent_float(float(value)))
+# `--help` shows each settings field's one-line docstring (model.recipe, model.levers: litgpt-style dataclasses).
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_flow_style=False, allow_unicode=True,
                                           sort_keys=False))
 
@@ -141,6 +151,18 @@ MOVED_KEYS = {
     **{f"data.{key}": f"data.eval_transform.{new} (an argument of the evaluation transform, "
                       "datamodules.presets.ClassificationPresetEval)"
        for key, new in (("eval_image_size", "image_size"), ("eval_resize_size", "resize_size"))},
+    **{f"model.{key}": f"model.net.{key} (an argument of the network, lightning_modules.network.BackboneWithHead)"
+       for key in ("arch", "weights", "head_hidden", "dropout")},
+    "model.lr_scaling": "model.recipe.lr_scaling",
+    "model.decay_norms_and_biases": "model.recipe.decay_norms_and_biases",
+    "model.mixup_alpha": "model.recipe.mixup_alpha",
+    "model.cutmix_alpha": "model.recipe.cutmix_alpha",
+    "model.backbone_lr_ratio": "model.recipe.backbone_lr_ratio",
+    "model.channels_last": "model.levers.channels_last",
+    "model.compile": "model.levers.compile",
+    "model.optimizer_impl": "model.levers.optimizer_impl",
+    "model.freeze_backbone_epochs": "trainer.callbacks+=training.callbacks.FreezeBackbone --trainer.callbacks.epochs N "
+                                    "(freezing is a callback)",
     "data.format": "data.class_path: the data source is a class (LitData shards: --data.class_path "
                    "datamodules.ShardsDataModule; the image folder, datamodules.ImageFolderDataModule, is the "
                    "default: drop data.format folder)",
@@ -192,13 +214,25 @@ def one_line_error(message: str) -> str:
     moved = moved_value_message(message)
     if moved:
         return moved
+    in_file = re.match(r"(Group|Subcommand) '([\w.]+)' does not accept option '([\w.]+)'", message)  # a config's
+    key = in_file and (in_file[3] if in_file[1] == "Subcommand" else f"{in_file[2]}.{in_file[3]}")
+    if key in MOVED_KEYS:
+        return f"{key} moved to {MOVED_KEYS[key]}"
     if "has no attribute" in message and (misspelt := class_path_error(message)):
         return misspelt
-    worded = plain_parser_error(message)
+    worded = callable_error_message(plain_parser_error(message))
     for_class = subclass_error_message(worded)
     if for_class != worded:
         return for_class
     return class_path_error(message) or worded
+
+
+def callable_error_message(message: str) -> str:
+    """jsonargparse's error for a value given to a class that arrives as a callable (model.net, built with
+    num_classes), out of its range or choices, as one line with the key in full: `model.net.arch='resnt50' is ...`."""
+    found = re.match(r'Parser key "([\w.]+)":\s*Type .*? expects a function or a callable class: ([\w.]+=.*?)\. '
+                     r"Got value: ", message, re.DOTALL)
+    return f"{found[1]}.{' '.join(found[2].split())}" if found else message
 
 
 def subclass_error_message(message: str) -> str:
@@ -284,8 +318,8 @@ class ImgclsCLI(LightningCLI):
         elif config.ckpt_path is None:
             config.ckpt_path = self._checkpoint_to_evaluate(subcommand, config)
         path = config.ckpt_path
-        if not path and is_model_folder(config.model.get("weights")):  # a folder of `imgcls publish`
-            self._from_model_folder(subcommand, config.model.weights)
+        if not path and is_model_folder(net_weights(config.model.get("net"))):  # a folder of `imgcls publish`
+            self._from_model_folder(subcommand, net_weights(config.model.get("net")))
             return
         if not path or not Path(path).exists():  # none, or Lightning's "best" / "hpc" / "registry"
             return
@@ -314,13 +348,13 @@ class ImgclsCLI(LightningCLI):
             self.config = self.parser.parse_object({subcommand: {"data": update}}, self.config)
 
     def _from_model_folder(self, subcommand: str, folder: str) -> None:
-        """--model.weights FOLDER (`imgcls publish`): its network always; for validate, test and predict also its
+        """--model.net.weights FOLDER (`imgcls publish`): its network always; for validate, test and predict also its
         classes and input contract, as a checkpoint's (the weights are loaded by _ModelInstantiator)."""
         saved = published_run(folder)
         model = saved.model if subcommand != "fit" else {k: saved.model[k] for k in network_kwargs_of(saved.model)}
         if subcommand != "fit":
             self.saved_run = saved
-        rank_zero_info(f"{subcommand}: the network of the model folder model.weights={folder}"
+        rank_zero_info(f"{subcommand}: the network of the model folder model.net.weights={folder}"
                        + ("" if subcommand == "fit" else ", with its classes and preprocessing"))
         self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
         if subcommand != "fit":
@@ -329,7 +363,7 @@ class ImgclsCLI(LightningCLI):
     def _checkpoint_to_evaluate(self, subcommand: str, config) -> str | None:
         """validate, test or predict without --ckpt_path: the run directory's best checkpoint, else the pretrained
         weights (said in one line), else a refusal: an untrained network is never evaluated in silence."""
-        if is_model_folder(config.model.get("weights")):
+        if is_model_folder(net_weights(config.model.get("net"))):
             return None  # the model folder's own weights (_from_model_folder)
         folder = run_dir(config)
         found = best_checkpoint_of(folder, checkpoint_folders(config))
@@ -338,9 +372,10 @@ class ImgclsCLI(LightningCLI):
             rank_zero_info(f"{subcommand}: no --ckpt_path, so the best checkpoint of {folder}: {path}"
                            + (f" ({score})" if score else ""))
             return path
-        if config.model.get("weights"):
+        weights = net_weights(config.model.get("net"))
+        if weights:
             rank_zero_info(f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: evaluating "
-                           f"the pretrained weights model.weights={config.model.weights} with an untrained head")
+                           f"the pretrained weights model.net.weights={weights} with an untrained head")
             return None
         raise NoCheckpointError(
             f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: the network is untrained; "
@@ -423,20 +458,23 @@ class ImgclsCLI(LightningCLI):
 
 class _ModelInstantiator(_InstantiatorFn):
     """With a ckpt_path (validate, test, predict, a resumed fit) the checkpoint overwrites every weight, so the
-    network is built without `model.weights`: no download, which offline machines cannot make. The hyperparameters
-    come from the config, so config.yaml and new checkpoints keep the configured weights for a fresh fit."""
+    network is built without its `weights` argument (model.net.weights): no download, which offline machines cannot
+    make. The hyperparameters come from the config, so config.yaml and new checkpoints keep the configured weights for
+    a fresh fit."""
 
     def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
-        if kwargs.get("weights") and self.cli.config[self.cli.subcommand].get("ckpt_path"):
-            rank_zero_info(f"model.weights={kwargs['weights']} not loaded: the checkpoint supplies every weight")
-            kwargs["weights"] = None
-        folder = kwargs.get("weights") if is_model_folder(kwargs.get("weights")) else None
-        if folder:
-            kwargs["weights"] = None  # loaded below, with the head when it fits (the same classes)
+        net = kwargs.get("net")
+        weights = net_weights(net)
+        folder = weights if is_model_folder(weights) else None
+        if folder is not None:  # loaded below, with the head when it fits (the same classes)
+            kwargs["net"] = without_pretrained_weights(net)
+        elif self.cli.config[self.cli.subcommand].get("ckpt_path") and without_pretrained_weights(net) is not net:
+            rank_zero_info(f"model.net.weights={weights} not loaded: the checkpoint supplies every weight")
+            kwargs["net"] = without_pretrained_weights(net)
         model = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
-        if folder:
+        if folder is not None:
             head = load_network_weights(model.net, folder, head=True)
-            rank_zero_info(f"model.weights={folder}: loaded the network" + ("" if head else
+            rank_zero_info(f"model.net.weights={folder}: loaded the network" + ("" if head else
                            "'s backbone (other classes: a new head)"))
         return model
 

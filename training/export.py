@@ -21,6 +21,7 @@ from torchvision.transforms import v2
 from datamodules.presets import eval_preset, float_stage, input_contract
 from datamodules.transforms import CONTRACT_VALUES, build_transform, eval_transform_config, name_of
 from lightning_modules import ImageClassifier
+from lightning_modules.network import without_pretrained_weights
 from training.checkpointing import UnsafeCheckpointError
 from training.from_checkpoint import SavedRun
 
@@ -36,11 +37,14 @@ def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
                          f"python -m training.fsdp {ckpt_path} {ckpt_path.with_name(ckpt_path.stem + '-full.ckpt')}")
     if not ckpt_path.is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
-    # weights=None: the checkpoint holds every weight, so the pretrained ones it was fine-tuned from (model.weights)
-    # are neither needed nor downloaded.
+    # The network without its `weights`: the checkpoint holds every weight, so the pretrained ones it was fine-tuned
+    # from (model.net.weights) are neither needed nor downloaded.
     # Both reads are weights_only: a checkpoint that needs arbitrary unpickling is refused, naming the file.
-    contract = SavedRun.read(ckpt_path).input_contract or input_contract("imagenet", 224)
-    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, weights=None)
+    saved = SavedRun.read(ckpt_path)
+    contract = saved.input_contract or input_contract("imagenet", 224)
+    net = saved.model.get("net")
+    overrides = {"net": without_pretrained_weights(net)} if isinstance(net, dict) else {}
+    model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, **overrides)
     return model.float().eval(), contract
 
 
@@ -90,7 +94,7 @@ def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -
         "format": fmt,
         "model_file": path.name,
         "checkpoint": str(Path(ckpt_path).resolve()),
-        "arch": model.hparams.arch,
+        "net": model.hparams.get("net") or type(model.net).__qualname__,  # class_path and init_args
         "class_names": model.class_names,
         "inputs": {"image": f"float32 (batch, 3, {pre['image_size']}, {pre['image_size']})"},
         "outputs": {"logits": f"float32 (batch, {model.hparams.num_classes}); softmax gives probabilities"},

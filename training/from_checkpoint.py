@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # The data keys of the held-out validation split.
 SPLIT_KEYS = ("val_split", "split_seed")
 # Model keys a resume may change: the speed levers (how the same run computes) and what the data links in.
-RESUME_MAY_CHANGE = frozenset({"channels_last", "compile", "optimizer_impl", "threshold",
+RESUME_MAY_CHANGE = frozenset({"levers", "threshold",
                                "num_classes", "class_names", "multilabel", "batch_size", "input_contract"})
 
 
@@ -215,7 +215,7 @@ def check_classes(data_names: list[str] | None, saved: SavedRun, root, command: 
     raise ClassMismatchError(
         f"data.root={root} has {len(data_names)} classes and the checkpoint {saved.path} has {len(names)}, not the "
         f"same: only in the data: {_short(only_data)}; only in the checkpoint: {_short(only_ckpt)}; {command} needs "
-        f"data with the model's classes (to train on these, start a new run with --model.weights {saved.path})")
+        f"data with the model's classes (to train on these, start a new run with --model.net.weights {saved.path})")
 
 
 def run_folder(saved: SavedRun) -> Path:
@@ -226,7 +226,7 @@ def run_folder(saved: SavedRun) -> Path:
 def _new_run_hint(saved: SavedRun, how: str) -> str:
     if how == "auto_resume":
         return "pass a new --trainer.default_root_dir for a new run"
-    return (f"start a new run from these weights with --model.weights {saved.path} and a new "
+    return (f"start a new run from these weights with --model.net.weights {saved.path} and a new "
             "--trainer.default_root_dir")
 
 

@@ -4,7 +4,7 @@
     -> model.safetensors, config.json, README.md (model card), training_config.yaml [, confusion_matrix.png]
 
 The folder loads back without the checkpoint (`ImageClassifier.from_pretrained(FOLDER)`, `imgcls predict
---model.weights FOLDER`), is served by `imgcls serve FOLDER`, and goes online with huggingface_hub's own upload:
+--model.net.weights FOLDER`), is served by `imgcls serve FOLDER`, and goes online with huggingface_hub's own upload:
 `hf upload USER/NAME FOLDER`. Its format is lightning_modules/pretrained.py's.
 """
 
@@ -217,20 +217,35 @@ def recipe(saved: SavedRun, run_config: dict) -> list[tuple[str, str]]:
             return f"{value['class_path'].rsplit('.', 1)[-1]}({args})"
         return "the recipe's default" if value is None else str(value)
 
-    spec = network_spec(hp)["init_args"]
-    rows = [("network", ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("weights", "num_classes"))),
-            ("initialised from", str(hp.get("weights") or "scratch (random weights)")),
+    spec = network_spec(hp)
+    trained_from = ((hp.get("net") or {}).get("init_args") or {}).get("weights") or hp.get("weights")
+    recipe = hp.get("recipe") or {}
+    rows = [("network", f"{spec['class_path'].rsplit('.', 1)[-1]}("
+                        + ", ".join(f"{k}={v}" for k, v in spec["init_args"].items() if k != "weights") + ")"),
+            ("initialised from", str(trained_from or "scratch (random weights)")),
             ("optimizer", class_of(hp.get("optimizer"))), ("lr schedule", class_of(hp.get("lr_scheduler"))),
             ("loss", class_of(hp.get("loss"))),
             ("epochs", str(trainer.get("max_epochs", "?"))), ("steps", str(saved.global_step)),
             ("batch", f"{hp.get('batch_size', '?')} per device x {trainer.get('devices', '?')} device(s)"),
             ("precision", str(trainer.get("precision", "?"))),
-            ("image size", f"{data.get('train_image_size') or data.get('image_size', '?')} train, "
-                           f"{evaluation_contract(saved)['image_size']} eval"),
-            ("augmentation", ", ".join(f"{k}={data[k]}" for k in ("preset", "auto_augment", "random_erasing")
-                                       if k in data) + f", mixup={hp.get('mixup_alpha', 0)}, "
-                                                       f"cutmix={hp.get('cutmix_alpha', 0)}")]
+            ("image size", f"{transform_arg(data, 'train_transform', 'image_size') or data.get('image_size', '?')} "
+                           f"train, {evaluation_contract(saved)['image_size']} eval"),
+            ("augmentation", ", ".join(f"{k}={v}" for k, v in (
+                ("preset", data.get("preset")),
+                ("auto_augment", transform_arg(data, "train_transform", "auto_augment")),
+                ("random_erasing", transform_arg(data, "train_transform", "random_erasing"))) if v is not None)
+             + f", mixup={recipe.get('mixup_alpha', hp.get('mixup_alpha', 0))}, "
+               f"cutmix={recipe.get('cutmix_alpha', hp.get('cutmix_alpha', 0))}")]
     return rows
+
+
+def transform_arg(data: dict, transform: str, key: str):
+    """An argument of a data transform's config (`data.train_transform`), or the flat key of data hyperparameters
+    older than the transform seam."""
+    config = data.get(transform)
+    args = (config.get("init_args") or {}) if isinstance(config, dict) else {}
+    old = {"train_transform": {"image_size": "train_image_size"}}.get(transform, {}).get(key, key)
+    return args.get(key) if args.get(key) is not None else data.get(old)
 
 
 def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
@@ -310,7 +325,7 @@ def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
         lines += ["## Confusion matrix", "", f"![validation confusion matrix]({CONFUSION_PICTURE})", ""]
     lines += ["## Use", "", "```python", "from lightning_modules import ImageClassifier", "",
               'model = ImageClassifier.from_pretrained("THIS_FOLDER_OR_REPO_ID")', "```", "",
-              "or `imgcls predict --model.weights THIS_FOLDER --data.predict_dir IMAGES`, or `imgcls serve "
+              "or `imgcls predict --model.net.weights THIS_FOLDER --data.predict_dir IMAGES`, or `imgcls serve "
               "THIS_FOLDER`.", ""]
     return ModelCard.from_template(card_data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines))
 

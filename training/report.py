@@ -93,7 +93,10 @@ def summary(run_dir: Path, series: Series, pngs: list[Path]) -> str:
         optimizer = model.get("optimizer") or {}  # class_path and init_args; null: the recipe's SGD
         data = data.get("init_args", data)  # the data source's arguments, under its class_path
         lines += ["| setting | value |", "|---|---|"]
-        for key, value in (("model.arch", model.get("arch")), ("model.weights", model.get("weights")),
+        net = model.get("net") or {}  # class_path and init_args
+        net_args = net.get("init_args") or {}
+        for key, value in (("model.net", net.get("class_path")), ("model.net.arch", net_args.get("arch")),
+                           ("model.net.weights", net_args.get("weights")),
                            ("model.optimizer", optimizer.get("class_path", "torch.optim.SGD")),
                            ("model.optimizer.lr", (optimizer.get("init_args") or {}).get("lr", 0.1)),
                            ("data.root", data.get("root")), ("data.image_size", data.get("image_size")),

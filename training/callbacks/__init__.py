@@ -4,10 +4,11 @@ showing them in `--print_config`, are listed in docs/DESIGN.md, "Callbacks"."""
 from training.callbacks.checkpoint import ModelCheckpoint
 from training.callbacks.exact_resume import ExactResume
 from training.callbacks.figures import ValidationFigures
+from training.callbacks.freezing import FreezeBackbone
 from training.callbacks.non_finite import NonFiniteLossGuard
 from training.callbacks.predictions import PredictionWriter
 from training.callbacks.preemption import Preemption
 from training.callbacks.run_config import RunConfig
 
-__all__ = ["ExactResume", "ModelCheckpoint", "NonFiniteLossGuard", "PredictionWriter", "Preemption", "RunConfig",
+__all__ = ["ExactResume", "FreezeBackbone", "ModelCheckpoint", "NonFiniteLossGuard", "PredictionWriter", "Preemption", "RunConfig",
            "ValidationFigures"]
