@@ -16,7 +16,7 @@ from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier, Levers
 from lightning_modules.schedules import WarmupCosine
 from tests.helpers import free_port, join_ranks, make_image_folder
-from training.callbacks import ModelCheckpoint
+from training.callbacks import FreezeBackbone, ModelCheckpoint
 from training.checkpointing import (
     NonFiniteWeightsError,
     checkpoint_problem,
@@ -25,7 +25,6 @@ from training.checkpointing import (
 )
 from training.export import load_for_export
 from training.faults import fault_callbacks
-from training.callbacks import FreezeBackbone
 from training.fsdp import FSDP2Strategy, consolidate
 from training.strategy import CompressedDDPStrategy
 

@@ -23,7 +23,8 @@ from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.torch import load_file
 
-from lightning_modules import ImageClassifier
+from lightning_modules import BackboneWithHead, ImageClassifier
+from lightning_modules.pretrained import network_factory
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
 
 SETTINGS = ["--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true"]
@@ -73,7 +74,7 @@ def test_folder_holds_the_validated_weights_and_a_card_the_hub_reads(folder, tra
     assert weights.keys() == {k.removeprefix("net.") for k in ckpt["state_dict"] if k.startswith("net.")}
     assert all(torch.equal(weights[k], ckpt["state_dict"][f"net.{k}"]) for k in weights)
     config = json.loads((folder / "config.json").read_text())
-    assert config["network"]["class_path"] == "lightning_modules.network.BackboneWithHead"
+    assert network_factory(config["network"]).func is BackboneWithHead  # rebuilt from config.json alone
     assert config["network"]["init_args"] | {"arch": "resnet18", "head_hidden": 32} == config["network"]["init_args"]
     assert config["class_names"] == [str(i) for i in range(10)] and config["num_classes"] == 10
     assert (config["multilabel"], config["threshold"], config["weights"]["averaged"]) == (False, None, False)

@@ -352,6 +352,9 @@ class ImgclsCLI(LightningCLI):
         classes and input contract, as a checkpoint's (the weights are loaded by _ModelInstantiator)."""
         saved = published_run(folder)
         model = saved.model if subcommand != "fit" else {k: saved.model[k] for k in network_kwargs_of(saved.model)}
+        # The folder's network, still pointing at the folder: _ModelInstantiator loads its weights from there.
+        if "weights" in model["net"]["init_args"]:
+            model = {**model, "net": {**model["net"], "init_args": {**model["net"]["init_args"], "weights": folder}}}
         if subcommand != "fit":
             self.saved_run = saved
         rank_zero_info(f"{subcommand}: the network of the model folder model.net.weights={folder}"

@@ -10,5 +10,5 @@ from training.callbacks.predictions import PredictionWriter
 from training.callbacks.preemption import Preemption
 from training.callbacks.run_config import RunConfig
 
-__all__ = ["ExactResume", "FreezeBackbone", "ModelCheckpoint", "NonFiniteLossGuard", "PredictionWriter", "Preemption", "RunConfig",
-           "ValidationFigures"]
+__all__ = ["ExactResume", "FreezeBackbone", "ModelCheckpoint", "NonFiniteLossGuard", "PredictionWriter", "Preemption",
+           "RunConfig", "ValidationFigures"]
