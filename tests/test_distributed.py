@@ -69,8 +69,8 @@ def test_strategy_is_configurable_from_yaml():
         "trainer:\n"
         "  strategy:\n"
         "    class_path: training.strategy.CompressedDDPStrategy\n"
-        "    init_args: {compression: powersgd, powersgd_rank: 2, powersgd_start_iter: 5, bucket_cap_mb: 8,\n"
-        "                static_graph: true, post_local_sgd_period: null}\n"
+        "    init_args: {compression: powersgd, powersgd: {rank: 2, start_iter: 5}, bucket_cap_mb: 8,\n"
+        "                static_graph: true, post_local_sgd: null}\n"
     )
     assert isinstance(strategy, CompressedDDPStrategy)
     assert strategy.compression == "powersgd"
@@ -85,8 +85,8 @@ def test_strategy_is_configurable_from_yaml():
 def test_bad_settings_name_the_key():
     with pytest.raises(ValueError, match="compression='int8'.*none, fp16, bf16, powersgd"):
         CompressedDDPStrategy(compression="int8")
-    with pytest.raises(ValueError, match="post_local_sgd_period cannot be combined with compression=powersgd"):
-        CompressedDDPStrategy(compression="powersgd", post_local_sgd_period=4)
+    with pytest.raises(ValueError, match="post_local_sgd cannot be combined with compression=powersgd"):
+        CompressedDDPStrategy(compression="powersgd", post_local_sgd={"period": 4})
 
 
 @pytest.mark.parametrize("compression, hook", [
@@ -95,14 +95,13 @@ def test_bad_settings_name_the_key():
 ])
 def test_comm_hook_is_registered_on_cpu(tmp_path, images, master_port, compression, hook):
     # Lightning's own DDPStrategy would leave every one of these unregistered on CPU.
-    probe = _fit(images, tmp_path, CompressedDDPStrategy(compression=compression, powersgd_start_iter=2), 3)
+    probe = _fit(images, tmp_path, CompressedDDPStrategy(compression=compression, powersgd={"start_iter": 2}), 3)
     assert probe.record["comm_hook"] == hook  # DDP's logging data: "" / None without a hook
     assert probe.record["end_step"] == 3
 
 
 def test_post_local_sgd_averages_models(tmp_path, images, master_port):
-    strategy = CompressedDDPStrategy(post_local_sgd_period=2, post_local_sgd_start_iter=1,
-                                     post_local_sgd_group_size=1)
+    strategy = CompressedDDPStrategy(post_local_sgd={"period": 2, "start_iter": 1, "group_size": 1})
     probe = _fit(images, tmp_path, strategy, 3)
     assert probe.record["comm_hook"] == "post_localSGD_hook"
     assert probe.record["model_averaging_period"] == 2  # the strategy's averager, as training ended
@@ -132,7 +131,8 @@ def test_allreduce_bytes_per_step_match_parameter_shapes(master_port):
 
 
 def test_powersgd_state_survives_checkpoint_and_resume(tmp_path, images, master_port, monkeypatch):
-    first = _fit(images, tmp_path, CompressedDDPStrategy(compression="powersgd", powersgd_start_iter=2), 4, name="a")
+    first = _fit(images, tmp_path, CompressedDDPStrategy(compression="powersgd", powersgd={"start_iter": 2}), 4,
+                 name="a")
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)[POWERSGD_KEY]
     assert saved["world_size"] == 1
     state = saved["ranks"][0]
@@ -152,7 +152,7 @@ def test_powersgd_state_survives_checkpoint_and_resume(tmp_path, images, master_
         return original(state, bucket)
 
     monkeypatch.setattr(powersgd, "powerSGD_hook", spy)
-    strategy = CompressedDDPStrategy(compression="powersgd", powersgd_start_iter=2)
+    strategy = CompressedDDPStrategy(compression="powersgd", powersgd={"start_iter": 2})
     resumed = _fit(images, tmp_path, strategy, 6, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), name="b")
     assert resumed.record["start_step"] == 4
     assert resumed.record["powersgd"]["iter"] == 6

@@ -126,7 +126,7 @@ def test_powersgd_every_rank_hooked_and_state_in_checkpoint(tmp_path, folder):
         "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.limit_train_batches", "3",
         "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
         "--trainer.default_root_dir", str(tmp_path / "run"),
-        *_strategy_args(compression="powersgd", powersgd_start_iter=2), *_probe_args(out),
+        *_strategy_args(compression="powersgd", **{"powersgd.start_iter": 2}), *_probe_args(out),
     ]
     run_cli(*common, "--trainer.max_epochs", "1", env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
@@ -171,8 +171,8 @@ def _post_local_sgd_rank(local_rank: int, port: int, out: str) -> None:
     L.seed_everything(0)
     x = torch.randn(16 * LOCAL_SGD_STEPS, 8)  # (N, 8): 8 batches of 8 per rank once the sampler halves it
     data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8, shuffle=True)
-    strategy = CompressedDDPStrategy(post_local_sgd_period=LOCAL_SGD_PERIOD, post_local_sgd_start_iter=LOCAL_SGD_START,
-                                     post_local_sgd_group_size=1, timeout_s=60)
+    strategy = CompressedDDPStrategy(post_local_sgd={"period": LOCAL_SGD_PERIOD, "start_iter": LOCAL_SGD_START,
+                                                     "group_size": 1}, timeout_s=60)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=LOCAL_SGD_STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Probe(out, digest_every_step=True)])

@@ -14,21 +14,15 @@ MOST = 12
 def _constructors(package: str) -> dict[str, int]:
     """Each class defined in `package`'s modules with an `__init__` of its own, and its parameters besides self."""
     found = {}
-    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
-        module = importlib.import_module(f"{package}.{info.name}")
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, prefix=f"{package}."):
+        module = importlib.import_module(info.name)  # subpackages too (training.callbacks)
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and "__init__" in vars(obj):
                 found[f"{module.__name__}.{name}"] = len(inspect.signature(obj.__init__).parameters) - 1
     return found
 
 
-@pytest.mark.parametrize("package", [
-    "lightning_modules",
-    "core",
-    pytest.param("training", marks=pytest.mark.xfail(
-        strict=True, reason="training.strategy.CompressedDDPStrategy takes 16 (DDP and PowerSGD settings): grouped "
-                            "on the branch that moves the DDP hooks to DDPStrategy's own arguments")),
-])
+@pytest.mark.parametrize("package", ["datamodules", "lightning_modules", "core", "training"])
 def test_no_constructor_takes_more_than_twelve_arguments(package):
     over = {name: count for name, count in _constructors(package).items() if count > MOST}
     assert not over, f"constructors over {MOST} arguments: {over}"

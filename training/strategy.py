@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
@@ -81,22 +82,55 @@ def destroy_process_groups() -> None:
     gc.collect()
 
 
+@dataclass(frozen=True)
+class PowerSGD:
+    """PowerSGD's settings (`trainer.strategy.powersgd`): a rank-r approximation of each weight matrix's gradient."""
+
+    rank: int = 4
+    """Rank r of the approximation; an (n, m) gradient sends (n + m) x r numbers."""
+    start_iter: int = 10
+    """Plain all-reduce for this many steps first (PowerSGD is unstable from the first step)."""
+    min_compression_rate: float = 2.0
+    """Compress a matrix only if n*m / ((n + m) * r) exceeds this."""
+    use_error_feedback: bool = True
+    """Add the previous step's approximation error to the gradient (needed to converge)."""
+    warm_start: bool = True
+    """Reuse last step's Q instead of a fresh random matrix (better approximations)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"trainer.strategy.powersgd.rank={self.rank} must be >= 1")
+
+
+@dataclass(frozen=True)
+class PostLocalSGD:
+    """Post-local SGD (`trainer.strategy.post_local_sgd`): local all-reduces, and the models averaged every `period`."""
+
+    period: int
+    """Average the full model every this many steps."""
+    start_iter: int = 100
+    """Global all-reduce for this many steps first."""
+    group_size: int | None = None
+    """Processes per local group, which still all-reduce every step; null = the processes of one node."""
+
+    def __post_init__(self) -> None:
+        if self.period < 1:
+            raise ValueError(f"trainer.strategy.post_local_sgd.period={self.period} must be >= 1")
+
+
+DEFAULT_POWERSGD = PowerSGD()  # frozen: safe as an argument default
+
+
 class CompressedDDPStrategy(DDPStrategy):
     """DistributedDataParallel whose gradient all-reduce is compressed, on any device and backend.
 
     Args:
         compression: ``none`` (fp32 all-reduce), ``fp16`` / ``bf16`` (gradients cast for the wire, 0.5x the bytes),
             ``powersgd`` (rank-r low-rank approximation of each weight matrix, with error feedback).
-        powersgd_rank: rank r of the PowerSGD approximation; a (n, m) gradient sends (n + m) x r numbers.
-        powersgd_start_iter: plain all-reduce for this many steps first (PowerSGD is unstable from the first step).
-        powersgd_min_compression_rate: compress a matrix only if n*m / ((n + m) * r) exceeds this.
-        powersgd_use_error_feedback: add the previous step's approximation error to the gradient (needed to converge).
-        powersgd_warm_start: reuse last step's Q instead of a fresh random matrix (better approximations).
-        post_local_sgd_period: if set, post-local SGD: after ``post_local_sgd_start_iter`` steps, gradients are only
-            all-reduced inside groups of ``post_local_sgd_group_size`` processes and the full model is averaged
-            every this many steps. Combines with none/fp16/bf16.
-        post_local_sgd_start_iter: global all-reduce for this many steps first.
-        post_local_sgd_group_size: processes per local group; null = the processes of one node.
+        powersgd: PowerSGD's settings (`PowerSGD`), read with ``compression: powersgd``.
+        post_local_sgd: post-local SGD (`PostLocalSGD`), null is off: after its ``start_iter`` steps, gradients are
+            only all-reduced inside groups of ``group_size`` processes and the full model is averaged every
+            ``period`` steps. Combines with none/fp16/bf16.
         bucket_cap_mb: DDP bucket size in MiB: larger buckets mean fewer, larger all-reduces, less overlap.
         gradient_as_bucket_view: gradients are views into the buckets (saves one gradient copy of memory).
         static_graph: the set of used parameters never changes between steps; lets DDP skip per-step checks.
@@ -109,14 +143,8 @@ class CompressedDDPStrategy(DDPStrategy):
     def __init__(
         self,
         compression: Compression = "none",
-        powersgd_rank: int = 4,
-        powersgd_start_iter: int = 10,
-        powersgd_min_compression_rate: float = 2.0,
-        powersgd_use_error_feedback: bool = True,
-        powersgd_warm_start: bool = True,
-        post_local_sgd_period: int | None = None,
-        post_local_sgd_start_iter: int = 100,
-        post_local_sgd_group_size: int | None = None,
+        powersgd: PowerSGD = DEFAULT_POWERSGD,
+        post_local_sgd: PostLocalSGD | None = None,
         bucket_cap_mb: float = 25.0,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
@@ -128,13 +156,11 @@ class CompressedDDPStrategy(DDPStrategy):
         if compression not in COMPRESSIONS:
             raise ValueError(f"trainer.strategy.compression={compression!r} is unknown; "
                              f"choose one of {', '.join(COMPRESSIONS)}")
-        if post_local_sgd_period is not None and compression == "powersgd":
-            raise ValueError("trainer.strategy.post_local_sgd_period cannot be combined with compression=powersgd; "
+        powersgd = PowerSGD(**powersgd) if isinstance(powersgd, dict) else powersgd
+        post_local_sgd = PostLocalSGD(**post_local_sgd) if isinstance(post_local_sgd, dict) else post_local_sgd
+        if post_local_sgd is not None and compression == "powersgd":
+            raise ValueError("trainer.strategy.post_local_sgd cannot be combined with compression=powersgd; "
                              "use compression none, fp16 or bf16 with post-local SGD")
-        if post_local_sgd_period is not None and post_local_sgd_period < 1:
-            raise ValueError(f"trainer.strategy.post_local_sgd_period={post_local_sgd_period} must be >= 1 (or null)")
-        if powersgd_rank < 1:
-            raise ValueError(f"trainer.strategy.powersgd_rank={powersgd_rank} must be >= 1")
         super().__init__(  # the hooks and post-local SGD are set up here, not by Lightning (on CUDA only)
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout_s),
@@ -146,13 +172,10 @@ class CompressedDDPStrategy(DDPStrategy):
             find_unused_parameters=find_unused_parameters,
         )
         self.compression = compression
-        self.powersgd_kwargs = dict(
-            rank=powersgd_rank, start_iter=powersgd_start_iter, min_compression_rate=powersgd_min_compression_rate,
-            use_error_feedback=powersgd_use_error_feedback, warm_start=powersgd_warm_start,
-        )
-        self.post_local_sgd_period = post_local_sgd_period
-        self.post_local_sgd_start_iter = post_local_sgd_start_iter
-        self.post_local_sgd_group_size = post_local_sgd_group_size
+        self.powersgd_kwargs = asdict(powersgd)  # build_comm_hook's keyword arguments
+        self.post_local_sgd_period = post_local_sgd.period if post_local_sgd is not None else None
+        self.post_local_sgd_start_iter = post_local_sgd.start_iter if post_local_sgd is not None else 0
+        self.post_local_sgd_group_size = post_local_sgd.group_size if post_local_sgd is not None else None
         self.comm_state: Any = None  # the hook's state (process group, PowerSGDState, PostLocalSGDState)
         self.comm_hook = None  # what DDP calls with each gradient bucket; None: its own all-reduce
         self.model_averager: PeriodicModelAverager | None = None  # post-local SGD's, while a fit runs
@@ -195,7 +218,7 @@ class CompressedDDPStrategy(DDPStrategy):
 
             for optimizer in self.optimizers:
                 if isinstance(optimizer, (ZeroRedundancyOptimizer, PostLocalSGDOptimizer)):
-                    raise ValueError(f"trainer.strategy.post_local_sgd_period cannot average the model with a "
+                    raise ValueError(f"trainer.strategy.post_local_sgd cannot average the model with a "
                                      f"{type(optimizer).__name__}; use a plain torch.optim optimizer")
             self.model_averager = PeriodicModelAverager(period=self.post_local_sgd_period,
                                                         warmup_steps=self.comm_state.start_localSGD_iter)
