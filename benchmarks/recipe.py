@@ -84,7 +84,8 @@ def render(result: dict) -> tuple[str, str]:
              "on a network trained at 32 px changes its last feature map from 1x1 to 2x2 at 40 px, features it never "
              "saw (FixRes pays at ImageNet sizes, 176 to 224 px). Seconds per epoch are wall times on a machine that "
              "other jobs shared during the run (see the load average below): compare them with care.")
-    settings = (f"imgcls fit of configs/quickstart.yaml with model.net.arch resnet18, 32 px, {result['epochs']} epochs, "
+    settings = (f"imgcls fit of configs/quickstart.yaml with model.net.arch resnet18, 32 px, {result['epochs']} "
+                "epochs, "
                 f"seeds {', '.join(map(str, result['seeds']))}; val/acc after the last epoch, medians over the seeds; "
                 "s / epoch is the median wall time between validations")
     return body, settings
