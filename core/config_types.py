@@ -106,7 +106,7 @@ def class_path_error(message: str) -> str | None:
 def plain_parser_error(message: str) -> str:
     """jsonargparse's error for a value out of its type's range or choices ('Parser key "model.lr": ... Not of type
     PositiveFloat: -0.1 does not conform to restriction v>0') in the words of `check_arguments` ('model.lr=-0.1 must
-    be positive'), and a choice not in a long Literal (model.arch) with the closest names instead of all of them."""
+    be positive'), and a choice not in a long Literal (model.net.arch) with the closest names instead of all of them."""
     key = re.match(r'Parser key "([^"]+)":', message)
     value = re.search(r"Not of type \w+: (\S+) does not conform|(?:Given|Got) value: (.*)$", message, re.MULTILINE)
     if key is None or value is None:

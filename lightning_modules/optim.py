@@ -4,8 +4,8 @@ global batch.
 `model.optimizer` is any callable `params -> torch.optim.Optimizer` (in YAML: a class_path such as torch.optim.AdamW
 or timm.optim.Lamb, which jsonargparse hands over as a functools.partial of its init_args), and `model.lr_scheduler`
 any callable `optimizer -> LRScheduler`. The model calls each with what only it knows, where the callable takes it and
-the config left it unset (None): the optimizer's `fused` or `foreach` kernels (model.optimizer_impl), the scheduler's
-`total_steps` and `steps_per_epoch` (the run's length).
+the config left it unset (None): the optimizer's `fused` or `foreach` kernels (model.levers.optimizer_impl), the
+scheduler's `total_steps` and `steps_per_epoch` (the run's length).
 """
 
 from __future__ import annotations

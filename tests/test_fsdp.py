@@ -69,7 +69,7 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path, monkeypatch):
         (FSDP2Strategy(units=[BLOCK]), "foreach", r"trainer.strategy.units: no module of Bottleneck in this model; "
                                                   r"its block classes include BasicBlock"),
         (FSDP2Strategy(units=["torchvision.models.resnet.BasicBlock"]), "fused",
-         "model.optimizer_impl: fused SGD does not run on sharded"),
+         "model.levers.optimizer_impl: fused SGD does not run on sharded"),
     ]:
         model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
                                 batch_size=2, levers=Levers(channels_last=False, optimizer_impl=impl))

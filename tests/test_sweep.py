@@ -118,10 +118,10 @@ def test_result_table_is_sorted_by_the_metric(tmp_path, capsys, goal, order):
 def test_grid_expands_ranges_and_args_match_wandb_format(tmp_path):
     path = write_sweep(tmp_path / "s.yaml", tmp_path, parameters={
         "trainer.max_epochs": {"distribution": "int_uniform", "min": 1, "max": 3},
-        "model.dropout": {"distribution": "q_uniform", "min": 0.0, "max": 0.5, "q": 0.25},
+        "model.net.dropout": {"distribution": "q_uniform", "min": 0.0, "max": 0.5, "q": 0.25},
     })
     sweep = load_sweep(path)
-    assert sweep.grid == {"trainer.max_epochs": [1, 2, 3], "model.dropout": [0.0, 0.25, 0.5]}
+    assert sweep.grid == {"trainer.max_epochs": [1, 2, 3], "model.net.dropout": [0.0, 0.25, 0.5]}
     assert trial_args({LR: 0.1, "model.optimizer.nesterov": True}) == ["--model.optimizer.lr=0.1",
                                                                         "--model.optimizer.nesterov=True"]
 

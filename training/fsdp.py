@@ -97,8 +97,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         for optimizer in self.optimizers:
             if isinstance(optimizer, torch.optim.SGD) and any(g.get("fused") for g in optimizer.param_groups):
                 # torch 2.14's DTensor has sharding rules for fused Adam/AdamW, none for aten._fused_sgd_.
-                raise ValueError("model.optimizer_impl: fused SGD does not run on sharded (DTensor) parameters "
-                                 f"under {type(self).__name__}; set model.optimizer_impl to foreach")
+                raise ValueError("model.levers.optimizer_impl: fused SGD does not run on sharded (DTensor) parameters "
+                                 f"under {type(self).__name__}; set model.levers.optimizer_impl to foreach")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """A sharded checkpoint is written into a hidden folder beside `filepath`, then renamed into place: a kill

@@ -3,7 +3,7 @@
     trainer:
       strategy:
         class_path: training.strategy.CompressedDDPStrategy
-        init_args: {compression: powersgd, powersgd_rank: 4}
+        init_args: {compression: powersgd, powersgd: {rank: 4}}
 """
 
 from __future__ import annotations
