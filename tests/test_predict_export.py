@@ -53,7 +53,8 @@ def assert_nothing_downloaded(env: dict[str, str]) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, digits_root, hub_home):
     """A checkpoint of a tiny run on the digits, fine-tuned from model.net.weights=IMAGENET1K_V1 with the backbone
-    frozen for its one short epoch: its hyperparameters name a torchvision weights enum, as a real fine-tuning run's do."""
+    frozen for its one short epoch: its hyperparameters name a torchvision weights enum, as a real fine-tuning run's
+    do."""
     run = tmp_path_factory.mktemp("predict_run")
     run_cli(*FIT, "--data.root", str(digits_root), "--model.net.weights", "IMAGENET1K_V1",
             *FREEZE_FIRST_EPOCH, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(run),
