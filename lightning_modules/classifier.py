@@ -23,7 +23,13 @@ from core import hardware
 from core.config_types import OpenUnitInterval, PositiveInt, check_arguments
 from lightning_modules import pretrained
 from lightning_modules.losses import for_multilabel
-from lightning_modules.network import BackboneWithHead, head_parameter_names, require_backbone
+from lightning_modules.network import (
+    BackboneWithHead,
+    head_parameter_names,
+    net_config,
+    net_from_config,
+    require_backbone,
+)
 from lightning_modules.optim import (
     DEFAULT_LR_SCHEDULER,
     DEFAULT_OPTIMIZER,
@@ -120,6 +126,10 @@ class ImageClassifier(L.LightningModule):
                           if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
         if python_objects:
             self.save_hyperparameters(ignore=["threshold", *python_objects])
+        if isinstance(net, Mapping):  # a checkpoint's class_path and init_args (load_from_checkpoint)
+            net = net_from_config(net)
+        elif "net" in python_objects and net_config(net) is not None:  # a class or partial from Python: by name
+            self.hparams["net"] = net_config(net)
         for key, value in (("recipe", recipe), ("levers", levers)):
             if not isinstance(self.hparams.get(key), Mapping):
                 self.hparams[key] = asdict(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import os
 import pickle
 from pathlib import Path
@@ -257,6 +258,38 @@ def _state_dict_from_timm(arch: str, weights: str) -> dict[str, torch.Tensor]:
                  else "pass model.net.weights=/path/to/weights file")
         raise RuntimeError(f"could not load timm's pretrained weights for {arch} ({type(err).__name__}: "
                            f"{str(err).splitlines()[0][:200]}); without network access, {where}") from None
+
+
+def _plain(value) -> bool:
+    """A value a checkpoint loaded weights_only holds, and YAML writes: None, bool, int, float, str, or lists and dicts
+    of those."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v) for k, v in value.items())
+
+
+def net_config(net) -> dict | None:
+    """`net` (a class, or a partial of one, as `model.net` takes from Python) as the class_path and init_args a config
+    names it by, so that its checkpoints rebuild it; None for anything else (a lambda, a partial of objects)."""
+    cls, args, keywords = (net, (), {}) if isinstance(net, type) else (
+        (net.func, net.args, net.keywords) if isinstance(net, functools.partial) else (None, (), {}))
+    if not isinstance(cls, type) or args or not _plain(keywords) or "<locals>" in cls.__qualname__:
+        return None
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(keywords)}
+
+
+def net_from_config(config) -> functools.partial:
+    """The callable num_classes -> nn.Module of a class_path and init_args (`net_config`'s inverse); one line when
+    the class cannot be imported."""
+    module, _, name = str(config["class_path"]).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"model.net: the class {config['class_path']!r} cannot be imported; install the package "
+                         "that defines it, or put its module on PYTHONPATH") from None
+    return functools.partial(cls, **dict(config.get("init_args") or {}))
 
 
 def net_weights(net) -> str | None:

@@ -8,8 +8,6 @@ file; `--model.net.weights FOLDER` loads it in the CLI (training/cli.py).
 
 from __future__ import annotations
 
-import functools
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.network import declares_head
+from lightning_modules.network import declares_head, net_from_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -44,13 +42,7 @@ def network_spec(hparams: dict[str, Any]) -> dict[str, Any]:
 
 def network_factory(spec: dict[str, Any]):
     """The callable num_classes -> nn.Module of a network spec (what `model.net` takes from Python)."""
-    module, _, name = spec["class_path"].rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"{CONFIG_FILE}: the network class {spec['class_path']!r} cannot be imported; install the "
-                         "package that defines it") from None
-    return functools.partial(cls, **spec.get("init_args", {}))
+    return net_from_config(spec)
 
 
 def network_kwargs_of(hparams: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -163,12 +164,18 @@ class FSDP2Strategy(ModelParallelStrategy):
                 p.requires_grad_(False)
 
 
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def shard(module: nn.Module, mesh, units: tuple[type[nn.Module], ...], reshard_after_forward: bool = True,
           checkpointed: tuple[type[nn.Module], ...] = (), broadcast_buffers: bool = True) -> list[nn.Module]:
     """fully_shard each `units` module of `module`, then each direct child still holding parameters; returns the
     children sharded (the roots)."""
     if units and not any(isinstance(m, units) for m in module.modules()):
-        present = sorted({type(m).__name__ for m in module.modules() if 0 < len(list(m.children())) < 8})
+        # Repeated blocks that hold parameters (a ResNet's BasicBlock): the classes worth sharding one by one.
+        counts = Counter(type(m) for m in module.modules() if 0 < len(list(m.children())) < 8
+                         and not isinstance(m, CONTAINERS) and any(True for _ in m.parameters()))
+        present = sorted(cls.__name__ for cls, n in counts.items() if n > 1)
         raise ValueError(f"trainer.strategy.units: no module of {', '.join(c.__name__ for c in units)} in this model; "
                          f"its block classes include {', '.join(present[:12])}")
     for m in module.modules():
