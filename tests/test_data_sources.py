@@ -223,3 +223,26 @@ def test_a_batch_without_seeds_is_augmented_from_the_datamodules_own_checkpointe
     resumed = datamodule()
     resumed.load_state_dict(state)
     assert torch.equal(resumed.on_after_batch_transfer(batch, 0)[0], second)
+
+
+def test_every_part_a_users_own_by_yaml_alone_fits_resumes_bitwise_validates_and_predicts(tmp_path):
+    """tests/user_plugins.py's in-memory TensorData, SmallGeMNet (its own pooling and head) and FocalLoss, together
+    and named in YAML only: a run SIGKILLed mid-epoch resumes to the weights of the run that never was, and the run's
+    config with its checkpoint validates and predicts."""
+    cfg = resume_config(every_n_train_steps=2)
+    cfg["model"]["net"] = {"class_path": "tests.user_plugins.SmallGeMNet", "init_args": {"width": 8}}
+    cfg["model"]["loss"] = {"class_path": "tests.user_plugins.FocalLoss", "init_args": {"gamma": 2.0}}
+    cfg["data"] = {"class_path": "tests.user_plugins.TensorData",
+                   "init_args": {"images": 16, "image_size": 32, "batch_size": 4, "num_workers": 0}}
+    config = tmp_path / "users_parts.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0  # 4 steps an epoch, 2 epochs
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    run_config = str(tmp_path / "killed" / "config.yaml")
+    validated = run_cli("validate", "--config", run_config, "--ckpt_path", str(last))
+    assert "val/acc" in validated.stdout
+    run_cli("predict", "--config", run_config, "--ckpt_path", str(last))
+    with open(tmp_path / "killed" / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["path"] for r in rows] == [f"tensor_{i:03d}" for i in range(16)]
+    assert {r["class_name"] for r in rows} <= {"dark", "bright"}

@@ -124,3 +124,18 @@ class TensorData(ClassificationData):
     def setup(self, stage: str) -> None:
         self.train_set = Flipped(*self._split(0))  # drawn by (index, seed): the base class seeds each flip
         self.val_set = self.test_set = TensorDataset(*self._split(1))
+        self.predict_set = Named(self._split(2)[0])
+
+
+class Named(Dataset):
+    """(image, index) pairs for predict, each named in predictions.csv by `paths`."""
+
+    def __init__(self, images: torch.Tensor) -> None:
+        self.images = images
+        self.paths = [f"tensor_{i:03d}" for i in range(len(images))]
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        return self.images[index], index
