@@ -117,7 +117,7 @@ def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps:
     clock = out / "steps.json"
     args = ["fit", "--config", str(ROOT / "configs" / "imagenet_ddp8.yaml"), "--trainer.devices", "1",
             "--trainer.strategy", "auto", "--data.root", str(root), "--model.net.weights", "null",
-            "--model.freeze_backbone_epochs", "0", "--trainer.max_steps", str(steps),
+            "--trainer.max_steps", str(steps),  # callbacks [] below: no FreezeBackbone either
             "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
             "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
