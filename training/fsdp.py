@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,8 @@ def shard(module: nn.Module, mesh, units: tuple[type[nn.Module], ...], reshard_a
     """fully_shard each `units` module of `module`, then each direct child still holding parameters; returns the
     children sharded (the roots)."""
     if units and not any(isinstance(m, units) for m in module.modules()):
-        present = sorted({type(m).__name__ for m in module.modules() if 0 < len(list(m.children())) < 8})
+        counts = Counter(type(m).__name__ for m in module.modules() if 0 < len(list(m.children())) < 8)
+        present = sorted(name for name, count in counts.items() if count > 1)  # repeated: the blocks
         raise ValueError(f"trainer.strategy.units: no module of {', '.join(c.__name__ for c in units)} in this model; "
                          f"its block classes include {', '.join(present[:12])}")
     for m in module.modules():
