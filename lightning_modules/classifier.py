@@ -22,7 +22,13 @@ from torchmetrics.classification import (
 from core import hardware
 from core.config_types import OpenUnitInterval, PositiveInt, check_arguments
 from lightning_modules.losses import for_multilabel
-from lightning_modules.network import BackboneWithHead, head_parameter_names, require_backbone
+from lightning_modules.network import (
+    BackboneWithHead,
+    head_parameter_names,
+    network_config,
+    network_from_config,
+    require_backbone,
+)
 from lightning_modules.optim import (
     DEFAULT_LR_SCHEDULER,
     DEFAULT_OPTIMIZER,
@@ -95,6 +101,7 @@ class ImageClassifier(L.LightningModule):
         levers: Levers = DEFAULT_LEVERS,
     ) -> None:
         check_arguments("model", ImageClassifier.__init__, {"threshold": threshold, "batch_size": batch_size})
+        net = network_from_config(net) if isinstance(net, dict) else net  # a checkpoint's, loaded without the CLI
         recipe, levers = as_settings(Recipe, recipe), as_settings(Levers, levers)
         for key, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
             if value is not None and not callable(value):
@@ -119,6 +126,8 @@ class ImageClassifier(L.LightningModule):
                           if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
         if python_objects:
             self.save_hyperparameters(ignore=["threshold", *python_objects])
+        if "net" in python_objects and network_config(net) is not None:  # a class (partial): saved as a config's
+            self.hparams["net"] = network_config(net)
         for key, value in (("recipe", recipe), ("levers", levers)):
             if not isinstance(self.hparams.get(key), Mapping):
                 self.hparams[key] = asdict(value)

@@ -8,6 +8,7 @@ import difflib
 import functools
 import os
 import pickle
+import sys
 from pathlib import Path
 from typing import Literal, Protocol, get_args
 
@@ -267,3 +268,32 @@ def without_pretrained_weights(net):
     if isinstance(net, dict) and (net.get("init_args") or {}).get("weights") is not None:
         return {**net, "init_args": {**net["init_args"], "weights": None}}
     return net
+
+
+def network_config(net) -> dict | None:
+    """A network class, or a functools.partial of one with plain arguments, as the class_path and init_args a
+    weights_only checkpoint can hold; None for any other callable."""
+    args = getattr(net, "keywords", {}) or {}
+    cls = net.func if isinstance(net, functools.partial) and not net.args else net
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module) and _plain(args)):
+        return None
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(args)}
+
+
+def network_from_config(config: dict):
+    """The callable num_classes -> nn.Module of a `network_config` (a checkpoint's hyperparameters), its class from a
+    module already imported: a checkpoint may not make this process import code."""
+    module, _, name = config["class_path"].rpartition(".")
+    cls = getattr(sys.modules.get(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"model.net: {config['class_path']} is not an nn.Module class of an imported module; import "
+                         f"{module or 'its module'} first, or give model.net")
+    return functools.partial(cls, **(config.get("init_args") or {}))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, str | int | float | bool)
