@@ -26,8 +26,8 @@ from lightning_modules.losses import for_multilabel
 from lightning_modules.network import (
     BackboneWithHead,
     head_parameter_names,
-    net_config,
-    net_from_config,
+    network_config,
+    network_from_config,
     require_backbone,
 )
 from lightning_modules.optim import (
@@ -102,6 +102,7 @@ class ImageClassifier(L.LightningModule):
         levers: Levers = DEFAULT_LEVERS,
     ) -> None:
         check_arguments("model", ImageClassifier.__init__, {"threshold": threshold, "batch_size": batch_size})
+        net = network_from_config(net) if isinstance(net, dict) else net  # a checkpoint's, loaded without the CLI
         recipe, levers = as_settings(Recipe, recipe), as_settings(Levers, levers)
         for key, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
             if value is not None and not callable(value):
@@ -126,10 +127,8 @@ class ImageClassifier(L.LightningModule):
                           if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
         if python_objects:
             self.save_hyperparameters(ignore=["threshold", *python_objects])
-        if isinstance(net, Mapping):  # a checkpoint's class_path and init_args (load_from_checkpoint)
-            net = net_from_config(net)
-        elif "net" in python_objects and net_config(net) is not None:  # a class or partial from Python: by name
-            self.hparams["net"] = net_config(net)
+        if "net" in python_objects and network_config(net) is not None:  # a class or partial from Python: by name
+            self.hparams["net"] = network_config(net)
         for key, value in (("recipe", recipe), ("levers", levers)):
             if not isinstance(self.hparams.get(key), Mapping):
                 self.hparams[key] = asdict(value)

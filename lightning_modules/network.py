@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import os
 import pickle
+import sys
 from pathlib import Path
 from typing import Literal, Protocol, get_args
 
@@ -260,38 +260,6 @@ def _state_dict_from_timm(arch: str, weights: str) -> dict[str, torch.Tensor]:
                            f"{str(err).splitlines()[0][:200]}); without network access, {where}") from None
 
 
-def _plain(value) -> bool:
-    """A value a checkpoint loaded weights_only holds, and YAML writes: None, bool, int, float, str, or lists and dicts
-    of those."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return True
-    if isinstance(value, list | tuple):
-        return all(_plain(v) for v in value)
-    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v) for k, v in value.items())
-
-
-def net_config(net) -> dict | None:
-    """`net` (a class, or a partial of one, as `model.net` takes from Python) as the class_path and init_args a config
-    names it by, so that its checkpoints rebuild it; None for anything else (a lambda, a partial of objects)."""
-    cls, args, keywords = (net, (), {}) if isinstance(net, type) else (
-        (net.func, net.args, net.keywords) if isinstance(net, functools.partial) else (None, (), {}))
-    if not isinstance(cls, type) or args or not _plain(keywords) or "<locals>" in cls.__qualname__:
-        return None
-    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(keywords)}
-
-
-def net_from_config(config) -> functools.partial:
-    """The callable num_classes -> nn.Module of a class_path and init_args (`net_config`'s inverse); one line when
-    the class cannot be imported."""
-    module, _, name = str(config["class_path"]).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"model.net: the class {config['class_path']!r} cannot be imported; install the package "
-                         "that defines it, or put its module on PYTHONPATH") from None
-    return functools.partial(cls, **dict(config.get("init_args") or {}))
-
-
 def net_weights(net) -> str | None:
     """The `weights` argument of `net` (a callable num_classes -> nn.Module, or its class_path config), None where it
     has none."""
@@ -309,3 +277,32 @@ def without_pretrained_weights(net):
     if isinstance(net, dict) and (net.get("init_args") or {}).get("weights") is not None:
         return {**net, "init_args": {**net["init_args"], "weights": None}}
     return net
+
+
+def network_config(net) -> dict | None:
+    """A network class, or a functools.partial of one with plain arguments, as the class_path and init_args a
+    weights_only checkpoint can hold; None for any other callable."""
+    args = getattr(net, "keywords", {}) or {}
+    cls = net.func if isinstance(net, functools.partial) and not net.args else net
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module) and _plain(args)):
+        return None
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(args)}
+
+
+def network_from_config(config: dict):
+    """The callable num_classes -> nn.Module of a `network_config` (a checkpoint's hyperparameters), its class from a
+    module already imported: a checkpoint may not make this process import code."""
+    module, _, name = config["class_path"].rpartition(".")
+    cls = getattr(sys.modules.get(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"model.net: {config['class_path']} is not an nn.Module class of an imported module; import "
+                         f"{module or 'its module'} first, or give model.net")
+    return functools.partial(cls, **(config.get("init_args") or {}))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, str | int | float | bool)

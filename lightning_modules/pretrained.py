@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.network import declares_head, net_from_config
+from lightning_modules.network import declares_head, network_from_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,7 +42,7 @@ def network_spec(hparams: dict[str, Any]) -> dict[str, Any]:
 
 def network_factory(spec: dict[str, Any]):
     """The callable num_classes -> nn.Module of a network spec (what `model.net` takes from Python)."""
-    return net_from_config(spec)
+    return network_from_config(spec)
 
 
 def network_kwargs_of(hparams: dict[str, Any]) -> list[str]:

@@ -283,3 +283,15 @@ def test_a_users_network_with_its_own_pooling_and_head_by_class_path_alone(tmp_p
             "--data.num_workers", "0")
     rows = list(csv.DictReader((tmp_path / "eval" / "predictions.csv").open()))
     assert len(rows) == len(list((data / "val").rglob("*.png"))) and {r["class_name"] for r in rows} <= {"a", "b"}
+
+
+def test_a_network_from_python_is_saved_as_its_class_and_arguments():
+    """A class or a partial of one: its class_path and init_args, from which a checkpoint rebuilds it; any other
+    callable is left out of the hyperparameters (a weights_only checkpoint cannot hold it)."""
+    model = ImageClassifier(num_classes=3, net=partial(SmallGeMNet, width=4))
+    assert model.hparams["net"] == {"class_path": "tests.user_plugins.SmallGeMNet", "init_args": {"width": 4}}
+    rebuilt = ImageClassifier(num_classes=3, net=model.hparams["net"])
+    assert isinstance(rebuilt.net, SmallGeMNet) and rebuilt.net.classifier.in_features == 8
+    assert "net" not in ImageClassifier(num_classes=3, net=lambda n: SmallGeMNet(n, width=4)).hparams
+    with pytest.raises(ValueError, match="model.net: os.system is not an nn.Module class of an imported module"):
+        ImageClassifier(num_classes=3, net={"class_path": "os.system", "init_args": {}})
