@@ -535,7 +535,13 @@ def explicit_values(parser: LightningArgumentParser, args):
         if isinstance(args, dict | Namespace):
             return parser.parse_object(args, defaults=False)
         return parser.parse_args(args, defaults=False)
-    except (ArgumentError, ValueError, TypeError):
+    except ArgumentError as err:
+        argv = sys.argv[1:] if args is None else list(args)
+        if "arguments are required" in str(err) and ".data" in str(err) and "--data" not in argv:
+            # No data named at all (a checkpoint alone): the default class, which counts as nothing named.
+            return explicit_values(parser, [*argv, "--data", DEFAULT_DATA])
+        return None
+    except (ValueError, TypeError):
         return None
     finally:
         parser.exit_on_error = exit_on_error

@@ -151,6 +151,8 @@ def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: s
     trained_class = saved.data.get("_class_path")
     if trained_class and trained_class != data_class and named_class is None and explicit is not None:
         update["class_path"] = taken["data.class_path"] = trained_class
+        # With the run's class, its arguments too (its folder or list, its sizes), unless the user set them.
+        init |= {k: v for k, v in saved.data.items() if not k.startswith("_") and not set_by_user(k, explicit)}
     contract = saved.input_contract
     trained = eval_transform_config(contract) if contract is not None else None
     if trained is not None and set_by_user("eval_transform", explicit):
