@@ -167,6 +167,9 @@ def choose_num_workers(hw: Hardware, device: str, devices_per_node: int = 1) -> 
     if device == "cuda":
         workers = min(8, max(1, hw.cores // max(1, devices_per_node)))
         return workers, f"{hw.cores} CPUs shared by {devices_per_node} GPU(s), at most 8 each"
-    # One loader process decodes faster than a CPU trains a ResNet (benchmarks/input_pipeline.py, docs/PERFORMANCE.md,
-    # "Input pipeline"): it keeps the model fed, and every further one takes a core from the compute.
-    return 1, "one loader process feeds a model trained on the CPU; more would take its cores"
+    # On a CPU the compute threads use every core, so a loader process cannot overlap with them: it preempts one of
+    # them (and an intra-op parallel region waits for its slowest thread), and its batches cross processes. Decoding
+    # between steps in the training process costs less (benchmarks/time_to_accuracy.py, docs/PERFORMANCE.md).
+    return 0, ("images are decoded between steps in the training process, whose compute threads use every core: "
+               + quoted(hw.cpu_kind(), "one_loader_process_vs_none", "imgcls fit's time with one loader process over "
+                        "none:"))

@@ -68,8 +68,8 @@ class ClassificationData(DeviceBatches):
 
     Args:
         batch_size: images per device and step; the global batch is world size x batch_size x accumulation.
-        num_workers: loader processes per device; null chooses from the hardware (core/hardware.py): one
-            on a CPU-trained model, the node's CPUs shared by the GPUs (at most 8) on CUDA.
+        num_workers: loader processes per device; null chooses from the hardware (core/hardware.py): none
+            on a CPU-trained model (decoded between steps), the node's CPUs shared by the GPUs (at most 8) on CUDA.
         sampler: ``random`` (each training image once per epoch) or ``balanced``: as many draws as images, with
             replacement, weighted by class frequency ** -balance_power, shared out disjointly among the ranks.
         balance_power: 1 draws every class equally often, 0.5 halfway (square-root sampling), 0 is uniform.

@@ -143,7 +143,7 @@ def test_model_levers_follow_the_capability(machine, hw, device, expected):
 
 
 @pytest.mark.parametrize(("hw", "device", "devices", "expected"), [
-    (AVX2_CPU, "cpu", 1, 1), (AMX_CPU, "cpu", 2, 1), (H100, "cuda", 1, 8), (H100, "cuda", 8, 2),
+    (AVX2_CPU, "cpu", 1, 0), (AMX_CPU, "cpu", 2, 0), (H100, "cuda", 1, 8), (H100, "cuda", 8, 2),
     (hardware.Hardware("x", cores=4, cuda="A100"), "cuda", 8, 1),
 ])
 def test_loader_workers_follow_the_device_and_cores(hw, device, devices, expected):
@@ -151,8 +151,8 @@ def test_loader_workers_follow_the_device_and_cores(hw, device, devices, expecte
 
 
 @pytest.mark.parametrize(("hw", "expected"), [
-    (AVX2_CPU, ("32-true", True, "fused", 1)),
-    (ARM_CPU, ("32-true", False, "default", 1)),
+    (AVX2_CPU, ("32-true", True, "fused", 0)),
+    (ARM_CPU, ("32-true", False, "default", 0)),
 ])
 def test_a_fit_resolves_every_auto_lever_from_the_machine(machine, digits_root, caplog, hw, expected):
     """The model, the loaders and the Trainer of a real (one-batch) fit, on a machine the test pretends to be."""
@@ -171,7 +171,7 @@ def test_a_fit_resolves_every_auto_lever_from_the_machine(machine, digits_root, 
     assert got == expected
     lines = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("model levers on cpu: ") for m in lines) == 1
-    assert sum(m.startswith("data.num_workers: 1 per device") for m in lines) == 1
+    assert sum(m.startswith("data.num_workers: 0 per device") for m in lines) == 1
 
 
 def test_explicit_channels_last_applies_without_a_trainer():
