@@ -87,8 +87,10 @@ def figure_to_array(fig: plt.Figure) -> np.ndarray:
     return image
 
 
-def publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarray) -> None:
-    """Per-class scores as a table: Markdown text in TensorBoard, a wandb.Table in W&B."""
+def publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarray, step: int | None = None) -> None:
+    """Per-class scores as a table: Markdown text in TensorBoard, a wandb.Table in W&B, at `step` (the trainer's
+    global step by default)."""
+    step = trainer.global_step if step is None else step
     columns = ["class", "precision", "recall", "f1", "support"]
     rows = [[name, *(round(float(v), 4) for v in row[:3]), int(row[3])]
             for name, row in zip(names, scores, strict=True)]
@@ -96,14 +98,15 @@ def publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarr
         if isinstance(logger, TensorBoardLogger):
             text = "\n".join(["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|",
                               *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
-            logger.experiment.add_text(tag, text, global_step=trainer.global_step)
+            logger.experiment.add_text(tag, text, global_step=step)
         elif isinstance(logger, WandbLogger):
-            logger.log_table(key=tag, columns=columns, data=rows, step=trainer.global_step)
+            logger.log_table(key=tag, columns=columns, data=rows, step=step)
 
 
-def publish(trainer: Trainer, tag: str, image: np.ndarray) -> None:
-    """Send one (H, W, 3) uint8 picture to every logger that shows images, and overwrite `<run>/figures/<name>.png`."""
-    step = trainer.global_step
+def publish(trainer: Trainer, tag: str, image: np.ndarray, step: int | None = None) -> None:
+    """Send one (H, W, 3) uint8 picture to every logger that shows images, at `step` (the trainer's global step by
+    default), and overwrite `<run>/figures/<name>.png`."""
+    step = trainer.global_step if step is None else step
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             logger.experiment.add_image(tag, image, global_step=step, dataformats="HWC")

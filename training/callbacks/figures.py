@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics.classification import MulticlassConfusionMatrix, MultilabelStatScores
 
 from training.figures import (
@@ -30,14 +34,26 @@ class ValidationFigures(Callback):
     grid shows the first `max_images` mistakes that rank 0 sees (cheap: no extra forward pass, the logits are taken
     from the model's own forward through a hook).
 
+    Drawing takes a fraction of a second, which matters only when epochs are short: during a fit, a validation's
+    figures are drawn while the time spent drawing, this one's expected cost included (the previous drawing's), stays
+    within `time_budget` of the time since the fit started. The first validation is always drawn, and so is the last
+    one, when the fit ends; the counts of a skipped one are not kept. `validate` and `test` always draw.
+
     Args:
         max_images: misclassified images in the grid.
         every_n_epochs: log every n-th validation epoch.
+        time_budget: the fraction of a fit's wall time that drawing may take; null draws every validation.
     """
 
-    def __init__(self, max_images: int = 16, every_n_epochs: int = 1) -> None:
+    def __init__(self, max_images: int = 16, every_n_epochs: int = 1, time_budget: float | None = 0.02) -> None:
+        if time_budget is not None and not 0 < time_budget <= 1:
+            raise ValueError(f"ValidationFigures: time_budget must be in (0, 1] or null, not {time_budget}")
         self.max_images = max_images
         self.every_n_epochs = every_n_epochs
+        self.time_budget = time_budget
+        self._started = time.monotonic()  # the fit's start (on_fit_start), for the budget
+        self._spent = self._last_cost = 0.0  # seconds spent drawing in this fit, and the last drawing's
+        self._pending: tuple[Callable[..., None], int, int] | None = None  # (draw, epoch, step) not drawn yet
         self._logits: torch.Tensor | None = None
         self._hook = None
         self._mistakes: list[tuple[torch.Tensor, int, int]] = []
@@ -85,37 +101,68 @@ class ValidationFigures(Callback):
                 self._mistakes.append((x[i].float().cpu(), int(y[i]), int(preds[i])))
         self._logits = None
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._started, self._spent, self._last_cost, self._pending = time.monotonic(), 0.0, 0.0, None
+
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._hook is None:
             return
         self._hook.remove()
         self._hook = None
         names = pl_module.class_names
-        out = Path(trainer.default_root_dir) / "figures"
         if pl_module.hparams.get("multilabel"):  # no confusion matrix or grid of mistakes: per-class scores only
             counts = self.label_counts.compute().cpu().numpy()  # (C, 5); all ranks take part
-            if trainer.is_global_zero:
-                tp, fp, fn = counts[:, 0], counts[:, 1], counts[:, 3]
-                self._publish_scores(trainer, out, names, scores_from_counts(tp, fp, fn))
-            return
-        matrix = self.confusion.compute()  # all ranks take part: the counts are summed across processes
+            draw = functools.partial(self._draw_label_scores, names, counts)
+        else:
+            matrix = self.confusion.compute().cpu()  # all ranks take part: the counts are summed across processes
+            draw = functools.partial(self._draw_matrix_and_mistakes, names, matrix, self._mistakes)
+        self._mistakes = []
         if not trainer.is_global_zero:
             return
+        self._pending = (draw, trainer.current_epoch, trainer.global_step)
+        if trainer.state.fn != TrainerFn.FITTING or self._due():
+            self._draw_pending(trainer)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pending is not None:  # the fit's last validation, skipped for the budget
+            self._draw_pending(trainer)
+
+    def _due(self) -> bool:
+        """Whether drawing now keeps the fit's drawing time within the budget."""
+        if self.time_budget is None:
+            return True
+        return self._spent + self._last_cost <= self.time_budget * (time.monotonic() - self._started)
+
+    def _draw_pending(self, trainer: Trainer) -> None:
+        draw, epoch, step = self._pending
+        self._pending = None
+        start = time.monotonic()
+        draw(trainer, Path(trainer.default_root_dir) / "figures", epoch, step)
+        self._last_cost = time.monotonic() - start
+        self._spent += self._last_cost
+
+    def _draw_matrix_and_mistakes(self, names: list[str], matrix: torch.Tensor, mistakes: list, trainer: Trainer,
+                                  out: Path, epoch: int, step: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        np.savetxt(out / "confusion_matrix.csv", matrix.cpu().numpy(), fmt="%d", delimiter=",",
+        np.savetxt(out / "confusion_matrix.csv", matrix.numpy(), fmt="%d", delimiter=",",
                    header="rows: true class, columns: predicted class; " + ",".join(names))
-        fig, ax = self.confusion.plot(val=matrix.cpu(), labels=names if len(names) <= 30 else None)
-        ax.set_title(f"val confusion matrix, epoch {trainer.current_epoch}")
-        publish(trainer, "val/confusion_matrix", figure_to_array(fig))
-        self._publish_scores(trainer, out, names, per_class_scores(matrix.cpu().numpy()))
-        publish(trainer, "val/misclassified", misclassified_grid(self._mistakes, names))
-        self._mistakes = []
+        fig, ax = self.confusion.plot(val=matrix, labels=names if len(names) <= 30 else None)
+        ax.set_title(f"val confusion matrix, epoch {epoch}")
+        publish(trainer, "val/confusion_matrix", figure_to_array(fig), step)
+        self._publish_scores(trainer, out, names, per_class_scores(matrix.numpy()), epoch, step)
+        publish(trainer, "val/misclassified", misclassified_grid(mistakes, names), step)
+
+    def _draw_label_scores(self, names: list[str], counts: np.ndarray, trainer: Trainer, out: Path, epoch: int,
+                           step: int) -> None:
+        tp, fp, fn = counts[:, 0], counts[:, 1], counts[:, 3]
+        self._publish_scores(trainer, out, names, scores_from_counts(tp, fp, fn), epoch, step)
 
     @staticmethod
-    def _publish_scores(trainer: Trainer, out: Path, names: list[str], scores: np.ndarray) -> None:
+    def _publish_scores(trainer: Trainer, out: Path, names: list[str], scores: np.ndarray, epoch: int,
+                        step: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        publish_table(trainer, "val/per_class", names, scores)
+        publish_table(trainer, "val/per_class", names, scores, step)
         np.savetxt(out / "per_class.csv", scores, fmt=["%.6f", "%.6f", "%.6f", "%d"], delimiter=",",
                    header="rows: " + ",".join(names) + "\nprecision,recall,f1,support")
         if len(names) <= 40:
-            publish(trainer, "val/per_class", per_class_chart(names, scores, trainer.current_epoch))
+            publish(trainer, "val/per_class", per_class_chart(names, scores, epoch), step)
