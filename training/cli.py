@@ -52,6 +52,7 @@ from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from lightning_modules.network import net_weights, without_pretrained_weights
 from lightning_modules.pretrained import is_model_folder, load_network_weights, network_kwargs_of
+from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
 from training.callbacks import PredictionWriter, RunConfig
 from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
 from training.errors import exit_code
@@ -72,7 +73,7 @@ from training.from_checkpoint import (
 )
 from training.preflight import check_monitored
 from training.publish import published_run
-from training.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, run_dir
+from training.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, metrics_table, run_dir
 from training.strategy import destroy_process_groups
 from training.trainer import Trainer
 from training.wandb_runs import WandbInstantiator, wandb_online
@@ -438,7 +439,9 @@ class ImgclsCLI(LightningCLI):
         return trainer
 
     def after_fit(self) -> None:
-        """Validate the best checkpoint (prints the metric table), then say where everything is."""
+        """Print the best checkpoint's validation metrics, then say where everything is. The best checkpoint is
+        validated again from its file unless the fit's newest validation was of its weights (ours, not a plain
+        Lightning ModelCheckpoint, knows)."""
         trainer = self.trainer
         ckpt = trainer.checkpoint_callback
         if trainer.interrupted or not isinstance(ckpt, ModelCheckpoint):
@@ -455,7 +458,12 @@ class ImgclsCLI(LightningCLI):
                            "hold "
                            "them as their state_dict (the trained weights as current_model_state)")
         if trainer.strategy.broadcast(bool(best) and Path(best).exists()):  # a file, or a sharded folder
-            trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
+            if isinstance(ckpt, ImgclsCheckpoint) and trainer.strategy.broadcast(ckpt.best_is_last_validated(trainer)):
+                # The newest validation was of the best checkpoint's weights: its metrics are the best's already.
+                rank_zero_info(metrics_table(trainer.callback_metrics, f"the best checkpoint (validated at step "
+                                             f"{ckpt.validated_step}, the end of the fit)"))
+            else:
+                trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
         rank_zero_info(closing_summary(trainer, best, score, monitor, lasts))
 
 

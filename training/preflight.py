@@ -12,7 +12,7 @@ def check_monitored(trainer, model, datamodule) -> None:
     logged = getattr(model, "logged_metrics", None)
     if logged is None:  # a user's model that does not say what it logs
         return
-    names = set(logged())
+    names = set(logged()) | {"epoch", "step"}  # Lightning's own candidates: monitor "step", mode max = the newest
     for callback in trainer.callbacks:
         monitor = getattr(callback, "monitor", None)
         if not isinstance(monitor, str) or monitor in names:

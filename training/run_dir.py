@@ -92,6 +92,23 @@ def closing_summary(trainer, best: str, score, monitor: str | None, lasts: list[
     return "\n".join(lines)
 
 
+def metrics_table(metrics: dict, what: str) -> str:
+    """The validation metrics of `metrics` (keys `val/...`) as a text table headed by `what` they are of."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in sorted(metrics.items()):
+        if key.startswith("val/") and getattr(value, "numel", lambda: 1)() == 1:
+            table.add_row(key, f"{float(value):.4f}")
+    console = Console(width=100, force_terminal=False, color_system=None)
+    with console.capture() as captured:
+        console.print(table)
+    return f"val metrics of {what}:\n" + captured.get().rstrip()
+
+
 def relative_to_cwd(path: str | os.PathLike) -> str:
     """`path` relative to the working directory when it lies below it (short lines to copy), else as it is."""
     if not path:

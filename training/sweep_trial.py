@@ -115,7 +115,9 @@ def trial_callback():
 
     class SweepTrial(PyTorchLightningPruningCallback):
         """Reports each validation epoch's metric to the study (pruning decided by the study's pruner), and the
-        metrics of the final validation of the best checkpoint as the trial's result."""
+        metrics of the best checkpoint as the trial's result: those of the newest validation, replaced by the
+        closing validation of the best checkpoint when the fit runs one (training.cli: not when the newest
+        validation was the best's)."""
 
         def __init__(self, spec: dict) -> None:
             self.trial, self.trial_id = open_trial(spec)
@@ -132,7 +134,7 @@ def trial_callback():
         def on_validation_end(self, trainer, pl_module) -> None:
             if trainer.state.fn == "fit":
                 super().on_validation_end(trainer, pl_module)
-            elif trainer.is_global_zero and not trainer.sanity_checking:  # after_fit's validation of the best
+            if trainer.is_global_zero and not trainer.sanity_checking:
                 final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
                 self.trial.set_user_attr("final_metrics", final)
 

@@ -14,6 +14,8 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
     best-k file of the same step when there is one (why Lightning's own last.ckpt is not enough: docs/DESIGN.md,
     "last.ckpt"). Linking needs a CheckpointIO with `link_checkpoint` (this module's); else last.ckpt is written."""
 
+    validated_step: int | None = None  # the global step of this fit's newest validation, in this process
+
     # Lightning saves at the end of the training epoch when validation runs once per epoch (inside that epoch), else
     # at the end of each validation; last.ckpt follows in the same hook when nothing was saved at this step yet.
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -21,8 +23,17 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
         self._save_last_if_missed(trainer, on_epoch_end=True)
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.validated_step = trainer.global_step
         super().on_validation_end(trainer, pl_module)
         self._save_last_if_missed(trainer, on_epoch_end=False)
+
+    def best_is_last_validated(self, trainer) -> bool:
+        """Whether the best checkpoint holds the weights in memory at the end of this fit, and the newest validation
+        of the fit was theirs: its metrics are then the best checkpoint's, and validating that file again would
+        only repeat them."""
+        return (bool(self.best_model_path) and self._last_checkpoint_saved == self.best_model_path
+                and self._last_global_step_saved == trainer.global_step == self.validated_step)
 
     def _save_last_if_missed(self, trainer, *, on_epoch_end: bool) -> None:
         if (self.save_last is True and not self.skips(trainer)
