@@ -202,7 +202,8 @@ def figures(runs: dict[str, dict | list[dict]]) -> dict[str, str]:
 def lever_figures(all_runs: dict[str, list[dict]]) -> dict[str, dict[str, str]]:
     """CPU kind -> the measured figures core/hardware.py quotes in the reasons it prints for `auto`'s choices, each
     from that kind's newest full record: bf16 autocast and channels_last against fp32 NCHW (Hardware, the
-    quickstart's step), fused SGD against torch's loop (Compute levers, 224 px)."""
+    quickstart's step), fused SGD against torch's loop (Compute levers, 224 px), `imgcls fit` with a loader process
+    against none (Time to accuracy, whole process)."""
     found: dict[str, dict[str, str]] = {}
     for run in reversed(all_runs.get("hardware", [])):  # oldest first: the newest of a kind wins
         if measured(run) and run["mode"] == "full":
@@ -217,6 +218,10 @@ def lever_figures(all_runs: dict[str, list[dict]]) -> dict[str, dict[str, str]]:
             baseline = next(name for name in times if name.startswith("baseline"))
             found.setdefault(run["machine"]["cpu_kind"], {})["fused_sgd_vs_loop"] = (
                 f"{times[baseline] / times['fused SGD']:.2f}x at {large['size']} px")
+    for run in reversed(all_runs.get("time_to_accuracy", [])):
+        if measured(run) and run["mode"] == "full" and not run["machine"].get("cuda") and "processes" in run["results"]:
+            ratio = _module("time_to_accuracy").figures(run["results"])["one_worker_vs_none"]
+            found.setdefault(run["machine"]["cpu_kind"], {})["one_loader_process_vs_none"] = ratio
     return dict(sorted(found.items()))
 
 

@@ -79,13 +79,20 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     assert levers[0][1:] == ["16 px img/s (batch 2)", "16 px speed-up", "32 px img/s (batch 2)", "32 px speed-up"]
     assert _num(levers[1][2]) == 1.0
 
-    tta = tables["Time to accuracy"]
+    tta = tables["Time to accuracy"]  # imgcls against the plain loop, then the defaults turned back on one by one
+    variants = ["imgcls fit with 1 loader process", "imgcls fit drawing figures at every validation",
+                "imgcls fit without checkpoints, figures, progress bar"]
     assert [r[0] for r in tta[1:]] == ["plain PyTorch loop, tensors in memory (1 seed)",
                                        "imgcls fit (PNG files, loader, Lightning) (1 seed)",
-                                       "imgcls fit without checkpoints, figures, progress bar (1 seed)",
-                                       "imgcls / plain (target <= 1.2)"]
+                                       *(f"{v} (1 seed)" for v in variants),
+                                       "imgcls / plain (targets: 97% <= 1.2, whole <= 1.1)",
+                                       "run", *variants]
     assert tta[0][1:3] == ["time to 97% val/acc (median)", "time to 99% val/acc (median)"]
+    assert tta[0][4] == "whole process, launch to exit (median)" and all(_num(r[4][:-2]) > 0 for r in tta[1:6])
+    assert all(_num(r[2][:-1]) > 0 for r in tta[8:])  # each variant's whole process over imgcls fit's
     assert "Target, imgcls within 1.2x of the plain loop's time to 97%" in text
+    assert re.search(r"Target, the whole imgcls fit process within 1.1x of the plain loop's: [\d.]+x", text)
+    assert re.search(r"The closing validation of the best checkpoint ran in [01] of 1 default runs", text)
 
     recipe = tables["Recipe ablation"]
     assert recipe[0] == ["variant", "val/acc (median)", "vs baseline, points", "per seed", "s / epoch (median)"]
