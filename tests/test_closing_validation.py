@@ -3,8 +3,6 @@ figures of its validations drawn within their time budget (the first and the las
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -32,7 +30,7 @@ def _images(run) -> dict[str, list[int]]:
     ("oldest", None, True, [1, 2, 3, 3]),  # every validation, then the closing one of the best (epoch 0's) file
 ])
 def test_the_best_checkpoint_is_validated_again_only_when_it_is_not_the_last_validated(
-        tmp_path, digits_root, caplog, best, budget, closing, drawn_at):
+        tmp_path, digits_root, capsys, best, budget, closing, drawn_at):
     from training.cli import ImgclsCLI
 
     run = tmp_path / "run"
@@ -43,22 +41,24 @@ def test_the_best_checkpoint_is_validated_again_only_when_it_is_not_the_last_val
                        "save_last": True, "filename": "s{step}", "auto_insert_metric_name": False, "dirpath": None,
                        "every_n_train_steps": None}},
         {"class_path": "training.callbacks.ValidationFigures", "init_args": {"time_budget": budget}}]}}))
-    with caplog.at_level(logging.INFO):
-        cli = cli_main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(overlay), *TINY,
-                        "--data.root", str(digits_root), "--trainer.default_root_dir", str(run),
-                        "--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", "1",
-                        "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"])
+    capsys.readouterr()
+    cli = cli_main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(overlay), *TINY,
+                    "--data.root", str(digits_root), "--trainer.default_root_dir", str(run),
+                    "--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", "1",
+                    "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"])
     assert isinstance(cli, ImgclsCLI)
     ckpt = cli.trainer.checkpoint_callback
     assert ckpt.best_model_path.endswith("s3.ckpt" if best == "newest" else "s1.ckpt")
     # A closing validation leaves the trainer in `validate`; without it the fit's state stays.
     assert cli.trainer.state.fn == ("validate" if closing else "fit")
-    tables = [r.getMessage() for r in caplog.records if "val metrics of the best checkpoint" in r.getMessage()]
+    printed = capsys.readouterr().out  # on stdout, as Lightning prints a validation's table
+    title = "val metrics of the best checkpoint"
     if closing:
-        assert not tables
+        assert title not in printed
     else:  # the newest validation's metrics, shown as the best checkpoint's
-        assert len(tables) == 1 and "val/acc" in tables[0] and "validated at step 3" in tables[0]
-        assert f"{float(cli.trainer.callback_metrics['val/acc']):.4f}" in tables[0]
+        table = printed[printed.index(title):]
+        assert printed.count(title) == 1 and "validated at step 3" in table and "val/acc " in table
+        assert f"{float(cli.trainer.callback_metrics['val/acc']):.4f}" in table
     images = _images(run)
     assert images["val/confusion_matrix"] == drawn_at and images["val/misclassified"] == drawn_at
     assert (run / "figures" / "confusion_matrix.png").is_file()

@@ -460,8 +460,10 @@ class ImgclsCLI(LightningCLI):
         if trainer.strategy.broadcast(bool(best) and Path(best).exists()):  # a file, or a sharded folder
             if isinstance(ckpt, ImgclsCheckpoint) and trainer.strategy.broadcast(ckpt.best_is_last_validated(trainer)):
                 # The newest validation was of the best checkpoint's weights: its metrics are the best's already.
-                rank_zero_info(metrics_table(trainer.callback_metrics, f"the best checkpoint (validated at step "
-                                             f"{ckpt.validated_step}, the end of the fit)"))
+                # On stdout, where Lightning prints the table of a validation.
+                if trainer.is_global_zero:
+                    print(metrics_table(trainer.callback_metrics, f"the best checkpoint (validated at step "
+                                        f"{ckpt.validated_step}, the end of the fit)"), flush=True)
             else:
                 trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
         rank_zero_info(closing_summary(trainer, best, score, monitor, lasts))
