@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from lightning_modules import BackboneWithHead, ImageClassifier
 from lightning_modules.pretrained import network_factory
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
+from training.serve import choose_workers
 
 SETTINGS = ["--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true"]
 
@@ -221,3 +222,11 @@ def test_server_answers_bad_input_in_one_line_and_keeps_serving(server, images):
         detail = answer.json()["detail"]
         assert reason in detail and "\n" not in detail, (name, detail)
         assert post(server, content=png, headers={"Content-Type": "image/png"}).status_code == 200, name
+
+
+def test_inference_workers_never_hold_more_threads_than_the_cores():
+    assert choose_workers("cpu", 2) == (1, 2, "1 worker(s) x 2 torch threads on 2 cores")
+    assert choose_workers("cpu", 16)[:2] == (4, 4)
+    assert choose_workers("cuda", 16, devices=1)[:2] == (2, 8)
+    assert choose_workers("cuda", 16, devices=4)[:2] == (2, 2)  # 8 workers on 16 cores
+    assert choose_workers("cuda", 4, devices=8)[:2] == (2, 1)
