@@ -1,11 +1,14 @@
 """Serving on loopback: requests/s and p50/p99 latency of `imgcls serve` with dynamic batching, the same server with
-`max_batch_size 1`, and a plain `http.server` endpoint around the same model (one request at a time, no LitServe).
+`max_batch_size 1`, and a plain `http.server` endpoint around the same model (one request at a time, no LitServe);
+then the model's forward pass alone at batch 1 and at the largest batch, in images/s.
 
     python -m benchmarks.serve [--quick]
 
 A fixed number of concurrent clients each post a bounded number of the same PNG (raw body); every answer must be a
 200. The model is a random-weight ResNet of the quickstart's head written as a model folder (`imgcls publish`'s
-layout), so the figures measure serving, not accuracy.
+layout), so the figures measure serving, not accuracy. The forward pass is timed in a process of its own set up as an
+inference worker of `imgcls serve` (its torch threads, its OpenMP wait, the main thread): what batching can gain at
+most, before any serving cost.
 """
 
 from __future__ import annotations
@@ -87,6 +90,46 @@ def plain_server(folder: str, port: int) -> None:
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
+def forward_rates(folder: str, batches: list[int], seconds: float) -> dict[int, float]:
+    """Images/s of the model's forward pass alone at each batch size, on the device and with the torch threads an
+    inference worker of `imgcls serve` gets, in this process's main thread (where LitServe's loop runs a batch)."""
+    import torch
+
+    from training.serve import choose_workers, load_served
+
+    cuda = torch.cuda.is_available()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(choose_workers("cuda" if cuda else "cpu", cores)[1])
+    served = load_served(folder)
+    device = "cuda" if cuda else "cpu"
+    model, size = served.model.to(device), served.contract["image_size"]
+    rates = {}
+    with torch.inference_mode():
+        for batch in batches:
+            x = torch.rand(batch, 3, size, size, device=device)
+            model(x)  # warm-up: the first pass picks the kernels
+            times = []
+            while sum(times) < seconds or len(times) < 3:
+                start = time.perf_counter()
+                model(x)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            rates[batch] = batch / statistics.median(times)
+    return rates
+
+
+def forward_in_a_worker(folder: str, batches: list[int], seconds: float) -> dict[int, float]:
+    """`forward_rates` in a fresh process whose OpenMP reads the wait `imgcls serve` gives its workers."""
+    from training.serve import passive_openmp
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    passive_openmp(env)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--forward", folder, json.dumps(batches),
+                          str(seconds)], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,6 +185,7 @@ def main(quick: bool = False) -> dict:
     from PIL import Image
 
     clients, requests, size = (4, 3, 64) if quick else (16, 30, 224)
+    largest = 16  # the batched server's max_batch_size
     arch = "resnet18" if quick else "resnet50"
     image = io.BytesIO()
     Image.effect_noise((size + size // 7, size + size // 7), 64).convert("RGB").save(image, "PNG")
@@ -149,7 +193,7 @@ def main(quick: bool = False) -> dict:
         folder = str(write_folder(Path(tmp) / "model", arch, size))
         serve = [sys.executable, "-m", "training.cli", "serve", folder, "--accelerator", "auto"]
         candidates = {
-            "imgcls serve, max_batch_size 16": serve + ["--max_batch_size", "16", "--batch_timeout", "0.01"],
+            "imgcls serve, max_batch_size 16": serve + ["--max_batch_size", str(largest), "--batch_timeout", "0.01"],
             "imgcls serve, max_batch_size 1": serve + ["--max_batch_size", "1"],
             BASELINE: [sys.executable, "-m", "benchmarks.serve", "--plain", folder],
         }
@@ -158,7 +202,9 @@ def main(quick: bool = False) -> dict:
             port = free_port()
             cmd = cmd + (["--port", str(port)] if "--plain" not in cmd else [str(port)])
             rows[name] = measure(cmd, port, image.getvalue(), clients, requests)
-    return {"arch": arch, "image_size": size, "clients": clients, "requests_per_client": requests, "rows": rows}
+        forward = forward_in_a_worker(folder, [1, largest], 0.5 if quick else 3.0)
+    return {"arch": arch, "image_size": size, "clients": clients, "requests_per_client": requests, "rows": rows,
+            "forward_img_s": {str(b): v for b, v in forward.items()}}
 
 
 def render(r: dict) -> tuple[str, str]:
@@ -170,6 +216,10 @@ def render(r: dict) -> tuple[str, str]:
     gain = batched["requests_per_s"] / single["requests_per_s"]
     body += (f"\n\nTarget, batching at least 2x the requests/s of max_batch_size 1 at equal p99: {gain:.2f}x, p99 "
              f"{batched['p99_ms']:.0f} ms against {single['p99_ms']:.0f} ms ({verdict(gain >= 2)}).")
+    if "forward_img_s" in r:  # results stored before the forward pass was timed have none
+        (b1, one), (bn, many) = sorted(((int(b), v) for b, v in r["forward_img_s"].items()))
+        body += (f" The forward pass alone, as an inference worker runs it: {one:.1f} img/s at batch {b1}, "
+                 f"{many:.1f} img/s at batch {bn} ({many / one:.2f}x): the most batching can gain here.")
     return body, (f"{r['arch']} at {r['image_size']} px, {r['clients']} concurrent clients x "
                   f"{r['requests_per_client']} requests each, one PNG as the raw body, on loopback")
 
@@ -180,11 +230,22 @@ def figures(r: dict) -> dict[str, str]:
     return {"batching_x": f"{batched['requests_per_s'] / single['requests_per_s']:.2f}x",
             "batched_rps": f"{batched['requests_per_s']:.1f} req/s",
             "batched_p99": f"{batched['p99_ms']:.0f} ms", "single_p99": f"{single['p99_ms']:.0f} ms",
-            "plain_rps": f"{rows[BASELINE]['requests_per_s']:.1f} req/s"}
+            "plain_rps": f"{rows[BASELINE]['requests_per_s']:.1f} req/s",
+            **forward_figures(r.get("forward_img_s"))}
+
+
+def forward_figures(rates: dict[str, float] | None) -> dict[str, str]:
+    if not rates:
+        return {}
+    (b1, one), (bn, many) = sorted((int(b), v) for b, v in rates.items())
+    return {"forward_b1": f"{one:.1f} img/s", "forward_batched": f"{many:.1f} img/s",
+            "forward_batched_x": f"{many / one:.2f}x", "forward_batch": str(bn)}
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--plain":
         plain_server(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) == 5 and sys.argv[1] == "--forward":
+        print(json.dumps(forward_rates(sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]))))
     else:
         standalone("serve", __doc__)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 from lightning_modules import BackboneWithHead, ImageClassifier
 from lightning_modules.pretrained import network_factory
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
+from training.serve import SPIN_SETTINGS, choose_workers
 
 SETTINGS = ["--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true"]
 
@@ -148,15 +150,16 @@ def test_publish_refuses_in_one_line_and_keeps_what_is_there(folder, trained, tm
     assert (config["multilabel"], config["threshold"]) == (True, 0.3)
 
 
-@pytest.fixture(scope="module")
-def server(folder, tmp_path_factory):
-    """`imgcls serve FOLDER` as a process of its own on a free loopback port, killed with its workers at the end."""
+@contextmanager
+def serving(model: Path, log: Path, *args: str):
+    """`imgcls serve MODEL ARGS` as a process of its own on a free loopback port, in a session of its own (its id is
+    the process's) with the OpenMP wait left to imgcls: (its URL once /health answers, its pid); killed with its
+    workers at the end."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {k: v for k, v in cli_env().items() if k not in SPIN_SETTINGS}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "training.cli", "serve", str(folder), "--port", str(port),
-                                 "--max_batch_size", "8", "--batch_timeout", "0.05", "--max_bytes", "2000000"],
-                                cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "training.cli", "serve", str(model), "--port", str(port), *args],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -169,10 +172,18 @@ def server(folder, tmp_path_factory):
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        yield url
+        yield url, proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    """`imgcls serve FOLDER` with batches of up to 8 requests and a 2 MB body limit."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serving(folder, log, "--max_batch_size", "8", "--batch_timeout", "0.05", "--max_bytes", "2000000") as (url, _):
+        yield url
 
 
 def post(url: str, **kwargs) -> httpx.Response:
@@ -221,3 +232,104 @@ def test_server_answers_bad_input_in_one_line_and_keeps_serving(server, images):
         detail = answer.json()["detail"]
         assert reason in detail and "\n" not in detail, (name, detail)
         assert post(server, content=png, headers={"Content-Type": "image/png"}).status_code == 200, name
+
+
+def inference_worker_environ(session: int) -> dict[str, str]:
+    """The environment of the one LitServe inference worker (a process spawned by multiprocessing) in `session`."""
+    environs = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[3]) == session and \
+                    b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
+                environs.append((entry / "environ").read_bytes())
+        except (OSError, ValueError):  # not a process, or one that ended
+            continue
+    assert len(environs) == 1, f"{len(environs)} inference workers in session {session}"
+    return dict(item.split("=", 1) for item in environs[0].decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_inference_workers_never_hold_more_threads_than_the_cores():
+    assert choose_workers("cpu", 2) == (1, 2, "1 worker(s) x 2 torch threads on 2 cores")
+    assert choose_workers("cpu", 16)[:2] == (4, 4)
+    assert choose_workers("cuda", 16, devices=1)[:2] == (2, 8)
+    assert choose_workers("cuda", 16, devices=4)[:2] == (2, 2)  # 8 workers on 16 cores
+    assert choose_workers("cuda", 4, devices=8)[:2] == (2, 1)
+
+
+ANIMALS = ["bird", "cat", "dog", "fish", "horse"]
+
+
+@pytest.fixture(scope="module")
+def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tensor]]:
+    """A random-weight multi-label resnet18 at 32 px as a model folder (imgcls publish's layout), PNG and JPEG images
+    of other sizes, and the sigmoid of the model's logits for each image, from the pixels `imgcls predict` reads
+    (`read_image`) through the evaluation preset of the model's input contract (`eval_preset`). The folder's threshold
+    lies in the widest gap between those scores near their median: each side holds labels, none is within rounding."""
+    from safetensors.torch import save_file
+
+    from datamodules.images import read_image
+    from datamodules.presets import eval_preset, input_contract
+    from training.from_checkpoint import SavedRun
+    from training.publish import model_config
+
+    root = tmp_path_factory.mktemp("multilabel_serve")
+    torch.manual_seed(0)
+    net = {"class_path": "lightning_modules.network.BackboneWithHead",
+           "init_args": {"arch": "resnet18", "head_hidden": 16}}
+    contract = input_contract("imagenet", 32)
+    model = ImageClassifier(num_classes=len(ANIMALS), class_names=ANIMALS, multilabel=True, net=network_factory(net),
+                            levers={"channels_last": False}, input_contract=contract).eval()
+    files = []
+    for i, (width, height) in enumerate([(40, 36), (48, 48), (33, 57), (64, 40)]):
+        pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(i),
+                               dtype=torch.uint8)
+        path = root / f"image{i}.{'png' if i % 2 else 'jpg'}"
+        Image.fromarray(pixels.numpy()).save(path, **({} if i % 2 else {"quality": 90}))
+        files.append(path)
+    preprocess = eval_preset(contract)
+    with torch.inference_mode():
+        batch = torch.stack([preprocess(read_image(str(path))) for path in files])
+        scores = dict(zip([p.name for p in files], model(batch).sigmoid(), strict=True))
+    ranked = torch.cat(list(scores.values())).sort().values
+    middle = ranked[len(ranked) // 4: 3 * len(ranked) // 4 + 1]
+    gap = int((middle[1:] - middle[:-1]).argmax())
+    assert middle[gap + 1] - middle[gap] > 1e-3, ranked  # no score within rounding of the threshold
+    threshold = round(float(middle[gap] + middle[gap + 1]) / 2, 6)
+
+    folder = root / "model"
+    folder.mkdir()
+    saved = SavedRun(folder, {**dict(model.hparams), "net": net}, {}, 0, None, {})
+    save_file({k: v.contiguous() for k, v in model.net.state_dict().items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(model_config(saved, threshold, False), indent=2))
+    return folder, files, scores
+
+
+def test_served_multi_label_answers_list_the_sigmoid_scores_at_or_above_the_threshold(multilabel, tmp_path):
+    folder, files, scores = multilabel
+    threshold = json.loads((folder / "config.json").read_text())["threshold"]
+    kinds = {".png": "image/png", ".jpg": "image/jpeg"}
+    with serving(folder, tmp_path / "serve.log", "--max_batch_size", "4", "--batch_timeout", "0.05") as (url, pid):
+        with ThreadPoolExecutor(max_workers=len(files)) as pool:
+            answers = list(pool.map(lambda p: post(url, content=p.read_bytes(),
+                                                   headers={"Content-Type": kinds[p.suffix]}), files))
+        multipart = post(url, files=[(p.stem, p.read_bytes()) for p in files])
+        worker_settings = [inference_worker_environ(pid).get(name) for name in SPIN_SETTINGS]
+    assert worker_settings == ["PASSIVE", None]  # OpenMP threads sleep between regions (serve.passive_openmp)
+    assert [a.status_code for a in answers] == [200] * len(files) and multipart.status_code == 200
+    chosen = 0
+    for path, answer, in_one in zip(files, answers, multipart.json()["predictions"], strict=True):
+        (served,) = answer.json()["predictions"]
+        assert [label["label"] for label in in_one["labels"]] == [label["label"] for label in served["labels"]]
+        expected = scores[path.name]
+        assert served["threshold"] == threshold
+        above = [(name, float(p)) for name, p in zip(ANIMALS, expected, strict=True) if p >= threshold]
+        assert [label["label"] for label in served["labels"]] == [name for name, _ in above], (path.name, served)
+        for label, other, (_, p) in zip(served["labels"], in_one["labels"], above, strict=True):
+            assert label["score"] == pytest.approx(p, abs=1e-5) and other["score"] == pytest.approx(p, abs=1e-5)
+        top = {label["label"]: label["score"] for label in served["top_k"]}
+        assert top.keys() == set(ANIMALS)  # --top_k 5 of 5 classes: every score
+        assert all(top[name] == pytest.approx(float(p), abs=1e-5) for name, p in zip(ANIMALS, expected, strict=True))
+        assert 1 <= int(answer.headers["X-Imgcls-Batch"]) <= len(files)
+        chosen += len(above)
+    assert 0 < chosen < len(files) * len(ANIMALS)  # labels on both sides of the threshold

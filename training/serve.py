@@ -290,14 +290,43 @@ class ImageClassifierAPI(ls.LitAPI):
         return {"label": top_k[0]["label"], "score": top_k[0]["score"], "top_k": top_k}
 
 
-def choose_workers(accelerator: str, cores: int) -> tuple[int, int, str]:
-    """(inference workers per device, torch threads per worker, why): workers x threads never exceeds the cores."""
+def choose_workers(accelerator: str, cores: int, devices: int = 1) -> tuple[int, int, str]:
+    """(inference workers per device, torch threads per worker, why): the workers of all `devices` together never hold
+    more threads than the cores."""
     if accelerator == "cuda":
-        threads = max(1, cores // 2)
-        return 2, threads, f"2 workers per GPU (one decodes while the other runs the batch), {threads} threads each"
+        threads = max(1, cores // (2 * devices))
+        return 2, threads, (f"2 workers per GPU (one decodes while the other runs the batch) on {devices} GPU(s), "
+                            f"{threads} torch threads each")
     workers = max(1, cores // 4)  # a worker needs a few threads for its batch's convolutions
     threads = max(1, cores // workers)
     return workers, threads, f"{workers} worker(s) x {threads} torch threads on {cores} cores"
+
+
+SPIN_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def passive_openmp(environ=os.environ) -> str:
+    """Sets OMP_WAIT_POLICY=PASSIVE in `environ` unless the OpenMP wait is set there already; says which.
+
+    The inference workers' threads fill the cores, and torch's OpenMP (libgomp) makes a thread that reaches the end of
+    a parallel region spin up to 300,000 rounds for its teammates before it sleeps; nearly every operator of the
+    network is such a region. When anything else takes a core (the API server, the clients, another job), the
+    teammate that lost it cannot finish its part while the other spins on the core it would need. On 2 cores beside
+    other jobs a ResNet50 forward pass at batch 1 took 0.5 to 1.1 s instead of 28 ms, three quarters of the worker's
+    CPU went to libgomp's spin loop, and requests waited into 504s (docs/SERVING.md). Sleeping threads cost a wake-up
+    per region instead. The workers are spawned by LitServe and inherit this environment; libgomp reads it when torch
+    loads it, so it must be set before they start. This process and the API servers it forks loaded theirs already."""
+    set_by_user = [name for name in SPIN_SETTINGS if name in environ]
+    if set_by_user:
+        return "OpenMP wait from the environment (" + ", ".join(f"{n}={environ[n]}" for n in set_by_user) + ")"
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE)"
+
+
+def device_count(accelerator: str, devices: int | str) -> int:
+    if accelerator != "cuda":
+        return 1
+    return torch.cuda.device_count() if devices == "auto" else int(devices)
 
 
 def build_server(args: argparse.Namespace) -> ls.LitServer:
@@ -305,11 +334,13 @@ def build_server(args: argparse.Namespace) -> ls.LitServer:
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers, threads, why = choose_workers(accelerator, cores)
+    devices = device_count(accelerator, args.devices)
+    workers, threads, why = choose_workers(accelerator, cores, devices)
     if args.workers_per_device:
-        workers, threads = args.workers_per_device, max(1, cores // args.workers_per_device)
-        why = f"{workers} worker(s) (--workers_per_device) x {threads} torch threads on {cores} cores"
-    print(f"imgcls serve: {accelerator}, {why}; max_batch_size {args.max_batch_size}, batch_timeout "
+        workers, threads = args.workers_per_device, max(1, cores // (args.workers_per_device * devices))
+        why = f"{workers} worker(s) per device (--workers_per_device) x {threads} torch threads on {cores} cores"
+    waiting = passive_openmp()
+    print(f"imgcls serve: {accelerator}, {why}, {waiting}; max_batch_size {args.max_batch_size}, batch_timeout "
           f"{args.batch_timeout} s", flush=True)
     api = ImageClassifierAPI(str(args.model), threshold=args.threshold, top_k=args.top_k, max_pixels=args.max_pixels,
                        threads=threads, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
