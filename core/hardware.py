@@ -38,9 +38,8 @@ def measured(kind: str) -> dict[str, str]:
 
 def quoted(kind: str, key: str, what: str) -> str:
     """`what` with its measured figure on this kind of CPU, or the plain fact that it was not measured there."""
-    figure = measured(kind).get(key)
-    return f"{what} {figure} on an {kind}" if figure and kind[0] in "AEIOU" else (
-        f"{what} {figure} on a {kind}" if figure else f"{what} not measured on a {kind}")
+    figure = measured(kind).get(key) or "not measured"
+    return f"{what} {figure} on {'an' if kind[0] in 'AEIOU' else 'a'} {kind}"
 
 
 @dataclass(frozen=True)

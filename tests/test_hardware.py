@@ -206,7 +206,9 @@ def test_announced_reasons_quote_the_measured_figure_of_the_cpu_kind_at_hand():
         hw = hardware.Hardware("X", frozenset(flags), 2)
         figures = hardware.measured(kind)
         reasons = [hardware.choose_precision(hw, "cpu")[1], hardware.choose_channels_last(hw, "cpu")[1],
-                   hardware.choose_optimizer_impl(hw, "cpu")[1]]
-        for reason, key in zip(reasons, ("bf16_vs_fp32", "channels_last_vs_nchw", "fused_sgd_vs_loop"), strict=True):
-            want = f"{figures[key]} on a" if key in figures else f"not measured on a {kind}"
-            assert want in reason and kind in reason, (kind, reason)
+                   hardware.choose_optimizer_impl(hw, "cpu")[1], hardware.choose_num_workers(hw, "cpu")[1]]
+        keys = ("bf16_vs_fp32", "channels_last_vs_nchw", "fused_sgd_vs_loop", "one_loader_process_vs_none")
+        article = "an" if kind[0] in "AEIOU" else "a"
+        for reason, key in zip(reasons, keys, strict=True):
+            want = f"{figures.get(key, 'not measured')} on {article} {kind}"
+            assert want in reason, (kind, reason)
