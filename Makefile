@@ -9,7 +9,7 @@ DATA   ?= data/digits
 CONFIG ?= configs/quickstart.yaml
 RUNS   ?= runs
 
-.PHONY: install train data test test-fast bench bench-quick dashboard lint clean
+.PHONY: install train data test test-fast bench bench-quick gpu-wheels gpu-check dashboard lint clean
 
 install: $(STAMP)
 
@@ -36,6 +36,18 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick --out $(RUNS)/bench-quick/PERFORMANCE.md
+
+# The GPU check (benchmarks/gpu_check.py): `make gpu-wheels` here, then `make gpu-check` on a CUDA machine with .whl/
+# beside it; that machine has no .venv, so its python3 runs it. `make gpu-check --dry-run` (make's -n) runs the same
+# sections at tiny sizes on this machine: the + makes make run the line even then.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+DRY_RUN := $(if $(findstring n,$(firstword -$(MAKEFLAGS))),--dry-run)
+
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check --prepare
+
+gpu-check:
+	+$(GPU_PYTHON) -m benchmarks.gpu_check $(DRY_RUN)
 
 dashboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUNS) --host 127.0.0.1

@@ -27,58 +27,67 @@ def peak_flops(name: str) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
-def step_flops(batch: int) -> float:
-    """FLOPs of one ResNet-50 training step (forward and backward), counted by torch's FlopCounterMode."""
+def step_flops(batch: int, arch: str, size: int, device: str) -> float:
+    """FLOPs of one training step (forward and backward), counted by torch's FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    step = train_step(arch="resnet50", size=224, batch=batch, device="cuda")
+    step = train_step(arch=arch, size=size, batch=batch, device=device)
     counter = FlopCounterMode(display=False)
     with counter:
         step()
     return float(counter.get_total_flops())
 
 
-def device_augment_rate(batch: int, batches: int, count: int) -> float:
-    """Images/s of `augment_batch` on the GPU: files read beforehand, so only the device's work is timed."""
-    dm = ImageFolderDataModule(root=str(photo_folder(count)), batch_size=batch, num_workers=0, image_size=224,
+def device_augment_rate(batch: int, batches: int, count: int, size: int, device: str) -> float:
+    """Images/s of `augment_batch` on the device: files read beforehand, so only the device's work is timed."""
+    dm = ImageFolderDataModule(root=str(photo_folder(count)), batch_size=batch, num_workers=0, image_size=size,
                                augment_on_device=True)
     dm.setup("fit")
     loader = iter(dm.train_dataloader())
     read = [next(loader)[0] for _ in range(batches)]
 
     def run(items):
-        return dm.float_transform(dm.augment_batch(items, "cuda", train=True))
+        return dm.float_transform(dm.augment_batch(items, device, train=True))
 
     run(read[0])  # warm-up: nvJPEG handles, kernels
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     for items in read:
         run(items)
-    torch.cuda.synchronize()
+    sync()
     return batch * batches / (time.perf_counter() - start)
 
 
 def main(quick: bool = False) -> dict:
-    if not torch.cuda.is_available():
+    """A full run needs CUDA and is skipped without it; quick: tiny sizes on whatever device there is, no compile
+    on a CPU (a check that the section runs, not a figure)."""
+    cuda = torch.cuda.is_available()
+    if not quick and not cuda:
         return {"skipped": "no CUDA device on this machine"}
-    name = torch.cuda.get_device_name(0)
-    batch, steps = (32, 3) if quick else (256, 30)
+    device = "cuda" if cuda else "cpu"
+    arch, size, batch, steps = ("resnet50", 224, 256, 30) if not quick else (
+        ("resnet50", 224, 32, 3) if cuda else ("resnet18", 32, 4, 2))
+    recipes = [("fp32, NCHW, eager", {}),
+               ("channels_last + 16-mixed + fused SGD", {"channels_last": True, "bf16": True, "impl": "fused"})]
+    if cuda:  # inductor on a CPU takes minutes, and a CPU's compiled step is the compute levers section's row
+        recipes.append(("the same + torch.compile (production)", {"channels_last": True, "bf16": True,
+                                                                   "impl": "fused", "compile": True}))
     img_s = {}
-    for label, options in (("fp32, NCHW, eager", {}),
-                           ("channels_last + 16-mixed + fused SGD", {"channels_last": True, "bf16": True,
-                                                                      "impl": "fused"}),
-                           ("the same + torch.compile (production)", {"channels_last": True, "bf16": True,
-                                                                      "impl": "fused", "compile": True})):
-        step = train_step(arch="resnet50", size=224, batch=batch, device="cuda", **options)
+    for label, options in recipes:
+        step = train_step(arch=arch, size=size, batch=batch, device=device, **options)
         for _ in range(3):  # warm-up: cuDNN autotuning, compilation
             step()
         start = time.perf_counter()
         for _ in range(steps):
             step()  # synchronizes on CUDA
         img_s[label] = batch * steps / (time.perf_counter() - start)
-    augment = device_augment_rate(batch=16 if quick else 256, batches=2 if quick else 7, count=50 if quick else 2000)
-    return {"device": name, "batch": batch, "steps": steps, "img_s": img_s, "flop_per_image": step_flops(batch) / batch,
-            "peak_flops": peak_flops(name), "augment_img_s": augment}
+    augment = device_augment_rate(batch=16 if quick else 256, batches=2 if quick else 7, count=50 if quick else 2000,
+                                  size=size, device=device)
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    return {"device": name, "arch": arch, "size": size, "batch": batch, "steps": steps, "img_s": img_s,
+            "flop_per_image": step_flops(batch, arch, size, device) / batch, "peak_flops": peak_flops(name),
+            "augment_img_s": augment}
 
 
 def render(r: dict) -> tuple[str, str]:
@@ -88,10 +97,11 @@ def render(r: dict) -> tuple[str, str]:
     body = table(["recipe", "img/s", "FLOP utilisation"], rows)
     body += f"\n\n{flops / 1e9:.1f} GFLOP per image and step (forward + backward, counted)"
     body += f"; peak taken as {peak / 1e12:.0f} TFLOP/s (dense fp16)." if peak else "."
-    body += (f"\n\nWith `data.augment_on_device`, this GPU decodes (nvJPEG) and augments {r['augment_img_s']:,.0f} "
-             "img/s of 500x375 JPEGs to 224 px, besides training; the loader workers only read the files.")
-    return body, (f"{r['device']}, resnet50 at 224 px, batch {r['batch']}, {r['steps']} timed steps, synthetic data "
-                  "on the GPU")
+    body += (f"\n\nWith `data.augment_on_device`, this device decodes (nvJPEG on a GPU) and augments "
+             f"{r['augment_img_s']:,.0f} img/s of 500x375 JPEGs to {r.get('size', 224)} px, besides training; the "
+             "loader workers only read the files.")
+    return body, (f"{r['device']}, {r.get('arch', 'resnet50')} at {r.get('size', 224)} px, batch {r['batch']}, "
+                  f"{r['steps']} timed steps, synthetic data on the device")
 
 
 if __name__ == "__main__":
