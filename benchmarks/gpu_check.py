@@ -1,7 +1,8 @@
 """The GPU check: everything that needs a CUDA device, in one command that fits a lent machine's few minutes.
 
     make gpu-wheels          # here, with the internet: the wheels a GPU machine lacks, into .whl/ (git-ignored)
-    make gpu-check           # on the CUDA machine, .whl/ carried along: the sections below, about 6 min on an H100
+    make gpu-check           # on the CUDA machine, .whl/ carried along: the sections below, within 8 min
+    GPU_CHECK_OUT=DIR make gpu-check  # also copies each record to DIR as soon as it is stored
     make gpu-check --dry-run # (make's -n) anywhere: the same sections at tiny sizes on whatever device there is
 
 The sections are `pytest -m cuda` (benchmarks/cuda_tests.py), the synthetic step (gpu_throughput) and the end to
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,13 +65,29 @@ def install(folder: Path) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
 
 
-def check(dry_run: bool, wheels: Path) -> Path:
+def check(dry_run: bool, wheels: Path, out: Path | None = None) -> list[str]:
+    """Run SECTIONS one by one (one that fails does not stop the others); each record, once stored, is copied to
+    `out` too, so a call cut short by its time limit still returns what it finished. The sections that failed."""
     install(wheels)
     sys.path.insert(0, str(ROOT))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    from benchmarks import run  # after install(): the project imports jsonargparse and torchdata
+    from benchmarks import figures, run  # after install(): the project imports jsonargparse and torchdata
+    from benchmarks.common import machine_info
 
-    return run.main(quick=dry_run, only=SECTIONS)
+    page = out / "PERFORMANCE.md" if dry_run and out is not None else None  # a dry run's page and records beside out
+    results = (page or run.QUICK_DIR / "PERFORMANCE.md").parent / "results" if dry_run else figures.RESULTS
+    folder = results / "machines" / figures.machine_slug(machine_info())
+    failed = []
+    for name in SECTIONS:
+        try:
+            run.main(quick=dry_run, out=page, only=(name,))
+        except RuntimeError as error:
+            failed.append(name)
+            print(error, flush=True)
+        if out is not None and (folder / f"{name}.json").is_file():
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copy(folder / f"{name}.json", out / f"{name}.json")
+    return failed
 
 
 if __name__ == "__main__":
@@ -77,8 +95,10 @@ if __name__ == "__main__":
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on any device, kept under runs/")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the wheels folder (default .whl/)")
     parser.add_argument("--prepare", action="store_true", help="download the wheels into --wheels and stop")
+    parser.add_argument("--out", type=Path, default=os.environ.get("GPU_CHECK_OUT"),
+                        help="also copy each record here as soon as it is stored (default $GPU_CHECK_OUT)")
     args = parser.parse_args()
     if args.prepare:
         prepare(args.wheels)
-    else:
-        print(f"wrote {check(args.dry_run, args.wheels)}")
+    elif failed := check(args.dry_run, args.wheels, args.out):
+        raise SystemExit(f"gpu-check: {', '.join(failed)} failed")

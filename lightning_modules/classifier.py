@@ -323,7 +323,12 @@ class ImageClassifier(L.LightningModule):
         by its lr_multipliers: the peak rates a scheduler then starts from."""
         impl = (self.levers.get("optimizer_impl")
                 or resolve_levers(asdict(self.lever_settings), self.device.type)[0]["optimizer_impl"])
-        optimizer = build_optimizer(self.optimizer_factory, self.param_groups(), impl)
+        trainer = self.attached_trainer()
+        scaler = getattr(trainer.precision_plugin, "scaler", None) if trainer is not None else None  # 16-mixed
+        optimizer, note = build_optimizer(self.optimizer_factory, self.param_groups(), impl,
+                                          grad_scaler=scaler is not None)
+        if note:
+            rank_zero_info(note)
         for group, multiplier in zip(optimizer.param_groups, self.lr_multipliers(optimizer.param_groups), strict=True):
             group["lr"] = group["lr"] * multiplier
         return optimizer

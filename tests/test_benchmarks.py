@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from benchmarks import figures, gpu_end_to_end, run, worker_memory
+from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
 
@@ -30,13 +33,18 @@ def _num(cell: str) -> float:
     return float(cell.replace(",", ""))  # table() writes 1,234
 
 
-@pytest.mark.slow  # every benchmark, shrunk: ~1.5 min on 2 cores
+def _committed() -> dict:
+    return {p: p.read_bytes() for p in [*figures.RESULTS.rglob("*.json"), figures.PERFORMANCE]}
+
+
+@pytest.mark.slow  # every benchmark but the GPU check's (the next test), shrunk: ~1.5 min on 2 cores
 def test_quick_run_writes_every_section_with_its_table(tmp_path):
-    committed = {p: p.read_bytes() for p in [*figures.RESULTS.rglob("*.json"), figures.PERFORMANCE]}
-    out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md")  # raises if a section failed
-    assert {p: p.read_bytes() for p in committed} == committed, "a quick run rewrote the committed results"
+    committed = _committed()
+    sections = tuple(name for name in figures.SECTIONS if name not in gpu_check.SECTIONS)
+    out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md", only=sections)  # raises if a section failed
+    assert _committed() == committed, "a quick run rewrote the committed results"
     records = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results" / "machines").glob("*/*.json")}
-    assert set(records) == set(figures.SECTIONS)
+    assert set(records) == set(sections)
     assert all(r["mode"] == "quick" and r["seconds"] >= 0 and r["machine"]["cpu"] for r in records.values())
     text = out.read_text()
     assert re.search(r"Rendered from .* quick mode .* Measured on .* cores", text)
@@ -64,10 +72,6 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     memory = tables["Loader-worker memory"]
     assert [r[0] for r in memory[1:5]] == [worker_memory.ARRAYS, worker_memory.ARRAYS + worker_memory.FROZEN,
                                           worker_memory.LIST, worker_memory.LIST + worker_memory.FROZEN]
-
-    end_to_end = tables["GPU end to end"]  # a dry run on this machine: both data paths through imgcls fit
-    assert [r[0] for r in end_to_end[1:]] == list(gpu_end_to_end.PATHS.values())
-    assert all(_num(r[1]) > 0 and _num(r[3]) > 0 for r in end_to_end[1:])
 
     overhead = tables["Training-loop overhead"]
     assert overhead[0][3].startswith("Lightning / plain step time") and len(overhead) == 2
@@ -118,6 +122,28 @@ def test_the_loop_benchmark_quiets_lightning_only_while_it_measures(monkeypatch)
     loop_overhead.main(quick=True)
     assert levels == [logging.ERROR]
     assert lightning_log.level == before
+
+
+@pytest.mark.slow  # the cuda tests collected, the synthetic step and two tiny imgcls fits: ~30 s on 2 cores
+def test_make_gpu_check_dry_run_runs_every_gpu_section_on_the_cpu(tmp_path):
+    """`make gpu-check --dry-run` (make's -n, which the recipe's + runs anyway) is the GPU check a lent machine runs,
+    at tiny sizes on this CPU: it is known to start before a GPU's few minutes are spent on it."""
+    committed = _committed()
+    proc = subprocess.run(["make", "--dry-run", "gpu-check", f"GPU_PYTHON={sys.executable}"], cwd=figures.ROOT,
+                          env={**os.environ, "GPU_CHECK_OUT": str(tmp_path)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _committed() == committed, "a dry run rewrote the committed results"
+    records = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in gpu_check.SECTIONS}
+    assert all(r["mode"] == "quick" and "skipped" not in r["results"] for r in records.values())
+    tests = records["cuda_tests"]["results"]["tests"]
+    assert {"test_cuda.py::test_a_16_mixed_fit_killed_and_resumed_on_cuda_ends_bitwise_equal",
+            "test_cuda.py::test_compression_hooks_train_on_nccl[powersgd]"} <= {t["test"] for t in tests}
+    assert all(t["outcome"] == "collected" for t in tests)
+    tables = _tables((tmp_path / "PERFORMANCE.md").read_text())
+    assert [r[0] for r in tables["GPU throughput"][1:]] == ["fp32, NCHW, eager", "channels_last + 16-mixed + fused SGD"]
+    end_to_end = tables["GPU end to end"]  # both data paths through imgcls fit
+    assert [r[0] for r in end_to_end[1:]] == list(gpu_end_to_end.PATHS.values())
+    assert all(_num(r[1]) > 0 and _num(r[3]) > 0 for r in end_to_end[1:])
 
 
 def test_interleaved_takes_medians_round_robin():

@@ -380,3 +380,26 @@ def test_optuna_integration_keys_used_by_the_sweep():
 
     assert (INTERMEDIATE_KEY, PRUNED_KEY, EPOCH_KEY) == (integration._INTERMEDIATE_VALUE, integration._PRUNED_KEY,
                                                          integration._EPOCH_KEY)
+
+
+def test_torchs_fused_sgd_still_steps_on_a_step_the_grad_scaler_skips():
+    """Why lightning_modules/optim.py builds SGD with foreach, not fused, under a GradScaler (16-mixed): after one
+    overflowing step, which the scaler must skip whole, the fused kernel has written a momentum buffer (the loop left
+    none); on an H100 the production config's fit was nan at step 3. Once torch fixes this, the guard can go."""
+    import torch
+
+    from lightning_modules.optim import FUSED_UNSAFE_UNDER_GRAD_SCALER
+
+    states = {}
+    for fused in (False, True):
+        param = torch.nn.Parameter(torch.ones(4))
+        optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9, fused=fused or None)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale((param * float("inf")).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert torch.equal(param.detach(), torch.ones(4))  # skipped: the weights are untouched either way
+        states[fused] = dict(optimizer.state[param])
+    assert states[False] == {}
+    assert "momentum_buffer" in states[True] and FUSED_UNSAFE_UNDER_GRAD_SCALER == (torch.optim.SGD,), (
+        "torch's fused SGD now skips an overflowing step whole: remove FUSED_UNSAFE_UNDER_GRAD_SCALER")

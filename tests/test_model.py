@@ -191,6 +191,37 @@ def test_the_optimizer_impl_lever_is_passed_where_the_optimizer_takes_it_and_the
     assert built(lambda params: torch.optim.Adam(params, lr=0.1), "foreach")["foreach"] is None  # takes no kwargs
 
 
+def test_under_a_grad_scaler_sgd_gets_foreach_kernels_and_a_skipped_step_leaves_no_state(caplog):
+    """16-mixed's GradScaler skips the overflowing first steps of a run; torch's fused SGD would write its momentum on
+    them (tests/test_internals.py). A CPU has no 16-mixed, so the CUDA plugin's GradScaler is given by hand."""
+    import lightning as L
+    from lightning.pytorch.plugins import MixedPrecision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def fit(optimizer) -> tuple[torch.optim.Optimizer, dict, dict]:
+        torch.manual_seed(0)
+        model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                                batch_size=4, optimizer=optimizer, levers=Levers(optimizer_impl="fused"))
+        before = {k: v.clone() for k, v in model.state_dict().items() if "running" not in k and "num_batches" not in k}
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # every step of this fit overflows
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        data = TensorDataset(torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,)))
+        trainer.fit(model, DataLoader(data, batch_size=4))
+        after = {k: v for k, v in model.state_dict().items() if k in before}
+        return trainer.optimizers[0], before, after
+
+    with caplog.at_level("INFO"):
+        sgd, before, after = fit(partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    assert sgd.defaults["foreach"] is True and not sgd.defaults["fused"]
+    assert all(not state for state in sgd.state.values())  # both steps skipped whole: no momentum written
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "optimizer_impl foreach, not fused: torch's fused SGD updates its momentum" in caplog.text
+    adamw, _, _ = fit(partial(torch.optim.AdamW, lr=0.1))  # fused AdamW skips those steps as it should: kept fused
+    assert adamw.defaults["fused"] is True
+
+
 @pytest.mark.parametrize(("scaling", "expected"), [("linear", 0.5), ("sqrt", 0.5**0.5), ("none", 1.0)])
 def test_lr_scales_with_the_global_batch(scaling, expected):
     model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"), batch_size=64,
