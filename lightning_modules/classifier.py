@@ -36,9 +36,12 @@ from lightning_modules.optim import (
     build_lr_scheduler,
     build_optimizer,
     plain_callable,
+    replan_lr_scheduler,
     rescale_learning_rates,
     target_of,
+    unset_arguments,
 )
+from lightning_modules.schedules import WarmupCosine
 from lightning_modules.settings import DEFAULT_LEVERS, DEFAULT_RECIPE, Levers, Recipe, as_settings
 from lightning_modules.targets import batch_mix, split_metrics
 
@@ -350,14 +353,42 @@ class ImageClassifier(L.LightningModule):
         )  # the peak read before the scheduler set the first step's rate
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_train_start(self) -> None:
+        """A resumed fit whose run length differs from the one its checkpoint's schedule was planned for (a larger
+        max_epochs, max_steps, another world size or accumulation) follows the schedule of the new length from the
+        step it resumes at: what a fit planned this long from the start has there, so it ends at the schedule's end
+        value. A scheduler that takes no total_steps continues as saved."""
+        (saved, step), self._saved_plan = getattr(self, "_saved_plan", (None, 0)), (None, 0)
+        total_steps, steps_per_epoch = self.steps()
+        if saved is None or saved["total_steps"] == total_steps:
+            return
+        config = self.trainer.lr_scheduler_configs[0]
+        name = type(config.scheduler).__name__
+        if "total_steps" not in unset_arguments(self.lr_scheduler_factory, {"total_steps": total_steps}):
+            rank_zero_info(f"lr schedule: {saved['total_steps']} -> {total_steps} optimizer steps; {name} takes no "
+                           f"total_steps, so it continues as saved")
+            return
+        optimizer = config.scheduler.optimizer
+        config.scheduler = replan_lr_scheduler(self.lr_scheduler_factory, optimizer, step=step,
+                                               total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                                               multipliers=self.lr_multipliers(optimizer.param_groups))
+        what = "the cosine" if isinstance(config.scheduler, WarmupCosine) else name
+        rank_zero_info(f"lr schedule: {saved['total_steps']} -> {total_steps} optimizer steps; {what} follows the "
+                       f"new length from step {step}")
+
     # ---- resuming on another global batch (elastic restarts, fewer GPUs) --------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lr_scale"] = self.lr_scale()
+        trainer = self.attached_trainer()
+        if trainer is not None and trainer.state.fn == "fit":
+            checkpoint["lr_plan"] = {"total_steps": self.steps()[0]}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Rescale the restored learning rates when the global batch changed since the checkpoint (another world size
-        after an elastic restart, other accumulation): the optimizer and schedule states carry the old scale."""
+        after an elastic restart, other accumulation): the optimizer and schedule states carry the old scale. Note
+        the run length the checkpoint's schedule was planned for (on_train_start follows a new one)."""
+        self._saved_plan = (checkpoint.get("lr_plan"), checkpoint.get("global_step", 0))
         saved = checkpoint.get("lr_scale")
         trainer = self.attached_trainer()
         if saved is None or trainer is None or trainer.state.fn != "fit":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +93,20 @@ def build_lr_scheduler(factory: Callable, optimizer: torch.optim.Optimizer, *, t
         peaks = max_lr if isinstance(max_lr, list | tuple) else [max_lr] * len(multipliers)
         extra["max_lr"] = [lr * m for lr, m in zip(peaks, multipliers, strict=True)]
     return factory(optimizer, **extra)
+
+
+def replan_lr_scheduler(factory: Callable, optimizer: torch.optim.Optimizer, *, step: int, total_steps: int,
+                        steps_per_epoch: int, multipliers: list[float]):
+    """The scheduler a fit of `total_steps` would have at optimizer `step` had it been planned that long from the
+    start: `factory` built anew for the new length and stepped `step` times (its lrs are those of that step). For a
+    resume whose length differs from the checkpoint's, where the restored scheduler would keep the old length."""
+    scheduler = build_lr_scheduler(factory, optimizer, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                                   multipliers=multipliers)  # from the groups' initial_lr: their peaks
+    with warnings.catch_warnings():  # stepped without an optimizer step, on purpose
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        for _ in range(step):
+            scheduler.step()
+    return scheduler
 
 
 def rescale_learning_rates(checkpoint: dict, factor: float) -> None:

@@ -17,15 +17,17 @@ class KillAt(Callback):
     follows that step). `rank` limits the kill to one process. `stamp`, a file path, receives `time.time()` just before
     the signal, so that a test can time what the other processes do after it; with `train_start` and `rank`, each
     other rank writes `<stamp>.rank<N>` as it starts that next step, before the collectives that the lost rank never
-    joins (DDP's buffer broadcast in the forward, the gradient all-reduce in the backward).
+    joins (DDP's buffer broadcast in the forward, the gradient all-reduce in the backward). `wait` seconds pass
+    before the signal, for what the process's other threads write meanwhile (W&B's run file, each second).
     """
 
     def __init__(self, step: int, where: str = "train", rank: int | None = None, sig: int = 9,
-                 stamp: str | None = None) -> None:
-        self.step, self.where, self.rank, self.sig, self.stamp = step, where, rank, sig, stamp
+                 stamp: str | None = None, wait: float = 0.0) -> None:
+        self.step, self.where, self.rank, self.sig, self.stamp, self.wait = step, where, rank, sig, stamp, wait
 
     def _maybe_kill(self, trainer) -> None:
         if trainer.global_step == self.step and (self.rank is None or trainer.global_rank == self.rank):
+            time.sleep(self.wait)  # what the process's other threads do meanwhile (a logger's writes)
             if self.stamp:
                 Path(self.stamp).write_text(repr(time.time()))
             os.kill(os.getpid(), self.sig)

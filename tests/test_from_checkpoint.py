@@ -180,8 +180,15 @@ def test_a_finished_run_is_not_resumed_into_a_no_op_and_its_config_is_kept(run_c
     assert "has finished its run (max_epochs=2 reached), so there is nothing to train" in line
     assert "--trainer.max_epochs" in line and f"imgcls validate --config {run_copy / 'config.yaml'}" in line
     # Raising max_epochs trains on; the run's record stays the config that trained it, the new one goes beside it.
-    run_cli("fit", "--config", str(run_copy / "config.yaml"), "--trainer.max_epochs", "3")
-    assert torch.load(run_copy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 2
+    before = torch.load(run_copy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    proc = run_cli("fit", "--config", str(run_copy / "config.yaml"), "--trainer.max_epochs", "3")
+    out = proc.stdout + proc.stderr
+    after = torch.load(run_copy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert f"resuming from {run_copy / 'checkpoints'}" in out and after["epoch"] == 2  # trained on, not from scratch
+    assert after["global_step"] == before // 2 * 3
+    assert (f"lr schedule: {before} -> {after['global_step']} optimizer steps; the cosine follows the new length from "
+            f"step {before}") in out
+    assert after["lr_schedulers"][0]["_last_lr"] == [0.0] * 4  # the schedule's end, at the new end
     assert (run_copy / "config.yaml").read_text() == config
     assert yaml.safe_load((run_copy / "fit_config.yaml").read_text())["trainer"]["max_epochs"] == 3
 

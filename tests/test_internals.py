@@ -52,6 +52,12 @@ FENCE = {
     "_save_last_checkpoint": ("training/callbacks/checkpoint.py",
                               "the one place Lightning writes last.ckpt: overridden to link it instead of writing "
                               "the same state twice"),
+    "_check_log_dir_exists": ("training/loggers.py: _KeptMetrics",
+                              "Lightning's CSVLogger deletes metrics.csv there when a run starts again in its folder; "
+                              "the writer has no option to keep it"),
+    "_experiment": ("training/loggers.py: ResumableCSVLogger.experiment",
+                    "the CSVLogger builds its writer in this property and keeps it here (finalize reads it); no "
+                    "argument takes another writer class"),
     "_composable": ("training/fsdp.py: torch.distributed._composable.checkpoint",
                     "the only activation checkpointing that keeps parameter names (checkpoint_wrapper renames them "
                     "and is private too)"),
@@ -403,3 +409,13 @@ def test_torchs_fused_sgd_still_steps_on_a_step_the_grad_scaler_skips():
     assert states[False] == {}
     assert "momentum_buffer" in states[True] and FUSED_UNSAFE_UNDER_GRAD_SCALER == (torch.optim.SGD,), (
         "torch's fused SGD now skips an overflowing step whole: remove FUSED_UNSAFE_UNDER_GRAD_SCALER")
+
+
+def test_wandb_still_takes_the_run_file_flush_interval():
+    """training/loggers.py sets W&B's experimental `x_transaction_log_flush_interval` (15 s by default), so that the
+    rows a checkpoint covers are in the offline run file soon after it; an upgrade that drops the setting fails here."""
+    import wandb
+
+    from training.loggers import WANDB_FLUSH_S
+
+    assert wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S).x_transaction_log_flush_interval == 1.0

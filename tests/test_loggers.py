@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -19,13 +21,17 @@ from tests.helpers import (
     TINY,
     WANDB_VARS,
     free_port,
+    kill_args,
+    resume_config,
     run_cli,
+    wandb_history,
     wandb_inspect,
     wandb_offline_env,
     wandb_run_record,
 )
 from training.cli import ImgclsCLI, cli_main
-from training.wandb_runs import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
+from training.loggers import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
+from training.report import read_run
 
 EPOCHS = 2
 
@@ -147,3 +153,50 @@ def test_ddp_run_makes_one_wandb_run_and_a_confusion_matrix_of_every_rank(tmp_pa
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1  # rank 0 only
     matrix = np.loadtxt(tmp_path / "figures" / "confusion_matrix.csv", delimiter=",")
     assert matrix.shape == (10, 10) and matrix.sum() == 2 * 2 * 16  # 2 ranks x 2 batches x 16 images
+
+
+@pytest.mark.slow  # two tiny fits, the first SIGKILLed
+def test_every_logger_holds_each_step_once_after_a_kill_and_a_resume(tmp_path, digits_root):
+    """TensorBoard, CSV and W&B (offline), named by Lightning's class paths as a user's config would: a fit of 12
+    steps SIGKILLed after step 5 (its newest checkpoint is step 4's: the steps after it are trained again), then
+    resumed. Each logger then holds every step from 0 to 11 once, and `imgcls report` draws one curve."""
+    config = resume_config()  # a step checkpoint every 2 steps, deterministic
+    config["trainer"]["logger"] = [
+        {"class_path": f"lightning.pytorch.loggers.{name}", "init_args": {"save_dir": "", "name": "", "version": ""}}
+        for name in ("TensorBoardLogger", "CSVLogger")] + [
+        {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": "", "offline": True}}]
+    path = tmp_path / "loggers.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    args = ["fit", "--config", str(path), *TINY, "--data.root", str(digits_root), "--trainer.limit_train_batches", "6",
+            "--trainer.limit_val_batches", "2", "--trainer.default_root_dir", str(run)]
+    # W&B writes its run file every second (training.loggers.WANDB_FLUSH_S): the kill comes 1.5 s after step 5.
+    killed = run_cli(*args, *kill_args(5, "train"), "--trainer.callbacks.wait", "1.5", check=False,
+                     env=wandb_offline_env())
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = run_cli(*args, env=wandb_offline_env())
+    assert f"resuming from {run / 'checkpoints' / 'step0000004.ckpt'}" in resumed.stdout + resumed.stderr
+    every = list(range(12))
+    keys = ("train/loss", "lr-AdamW/pg1")
+
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for key in keys:
+        assert [int(r["step"]) for r in rows if r.get(key)] == every, key
+
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})  # the folder as TensorBoard reads it
+    acc.Reload()
+    for key in keys:
+        assert [e.step for e in acc.Scalars(key)] == every, key
+
+    history = wandb_history(run)
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 2  # one per process, the same W&B run
+    for key in keys:
+        assert [h["trainer/global_step"] for h in history if key in h] == every, key
+
+    series = read_run(run)  # imgcls report's reading
+    for key in keys:
+        assert [step for step, _ in series[key]] == every, key
+    # From the fit that continued: step 4's loss as the resumed fit logged it (bitwise, as the resume is exact).
+    assert dict(series["train/loss"])[4] == pytest.approx(float(next(r for r in rows if r.get("train/loss")
+                                                                      and int(r["step"]) == 4)["train/loss"]))

@@ -9,7 +9,8 @@ What the CLI adds that no config file shows (`--print_config` does not list thes
 - `training.checkpointing.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a CheckpointIO;
 - `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;
 - `training.callbacks.RunConfig`, which saves the resolved config into the run directory;
-- every WandbLogger built as `training.wandb_runs.SecretSafeWandbLogger`;
+- Lightning's TensorBoard, CSV and W&B loggers built as their resumable classes in training/loggers.py, with
+  `CurvesAcrossResumes` among the fault guards (one curve across resumes and kills);
 - the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
   `auto_resume`.
 The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
@@ -44,7 +45,7 @@ from jsonargparse import (
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
 from core.config_types import class_path_error, plain_parser_error
@@ -71,12 +72,12 @@ from training.from_checkpoint import (
     explicit_keys,
     set_by_user,
 )
+from training.loggers import LoggerInstantiator, wandb_online
 from training.preflight import check_monitored
 from training.publish import published_run
 from training.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, metrics_table, run_dir
 from training.strategy import destroy_process_groups
 from training.trainer import Trainer
-from training.wandb_runs import WandbInstantiator, wandb_online
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
@@ -389,12 +390,12 @@ class ImgclsCLI(LightningCLI):
         return self.explicit.get(subcommand) if self.explicit is not None else None
 
     def before_instantiate_classes(self) -> None:
-        # The model and data instantiators replace the two Lightning has added (the same keys); W&B's is ours alone.
+        # The model and data instantiators replace the two Lightning has added (the same keys); the loggers' is ours.
         self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
                                     subclasses=self.subclass_mode_model)
         self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ClassificationData,
                                     subclasses=self.subclass_mode_data)
-        self.parser.add_instantiator(WandbInstantiator(self), WandbLogger)
+        self.parser.add_instantiator(LoggerInstantiator(self), Logger)
         config = self.config[self.subcommand]
         folder = run_dir(config)
         config.trainer.default_root_dir = str(folder)

@@ -66,9 +66,9 @@ def lost_peer_message(err: BaseException) -> str | None:
 
 def fault_callbacks() -> list[Callback]:
     """The fault guards the CLI adds to every run, after the configured callbacks."""
-    from training.callbacks import ExactResume, NonFiniteLossGuard, Preemption
+    from training.callbacks import CurvesAcrossResumes, ExactResume, NonFiniteLossGuard, Preemption
 
-    return [ExactResume(), Preemption(), NonFiniteLossGuard()]
+    return [ExactResume(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes()]
 
 
 def __getattr__(name: str):

@@ -29,16 +29,13 @@ PLOTS = (
 
 
 def read_tensorboard(run_dir: Path) -> Series:
+    """The run's scalars as TensorBoard shows them: its event files read in order as one, a resumed fit's session
+    start hiding what an earlier process logged at its steps and later (training/loggers.py)."""
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-    series: dict[str, dict[int, float]] = defaultdict(dict)
-    for events in sorted(run_dir.glob("events.out.tfevents.*")):  # resumed runs append new files
-        acc = EventAccumulator(str(events), size_guidance={SCALARS: 0})  # 0 = keep every point
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            for event in acc.Scalars(tag):
-                series[tag][event.step] = event.value
-    return {tag: sorted(points.items()) for tag, points in series.items()}
+    acc = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})  # 0 = keep every point
+    acc.Reload()
+    return {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items()) for tag in acc.Tags()["scalars"]}
 
 
 def read_csv(run_dir: Path) -> Series:

@@ -1,0 +1,172 @@
+"""The loggers a run is built with: Lightning's TensorBoard, CSV and W&B loggers, which keep one continuous curve
+across resumes and kills; W&B's command line masked; the instantiator that builds them for every config.
+
+A fit that starts at optimizer step N (0, or the step of the checkpoint it resumes from) logs steps N and up; what an
+earlier process logged at steps N and up was lost work that this fit does again (a kill after the checkpoint), so the
+curve shows it once, from this fit (docs/FAULT_TOLERANCE.md, "Logs across a resume"):
+- TensorBoard: the fit writes a session start at step N into its event file, and TensorBoard itself (and
+  `imgcls report`) then hides every earlier event at step N and up; the files keep them.
+- CSV: metrics.csv keeps its rows of steps below N (Lightning's CSVLogger deletes the file when a run starts again).
+- W&B: a run's history cannot be rewound, so rows reach W&B only once a checkpoint covers their step: a kill loses
+  the rows of the work it loses, and the resumed fit logs them once.
+
+Every row Lightning logs during a fit carries the number of optimizer steps done before it (the train loss and the
+learning rate of a batch, the validation that follows it), and a checkpoint at global step N covers every row below N.
+`training.callbacks.CurvesAcrossResumes`, which every run carries, tells the loggers both.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+from pathlib import Path
+
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
+
+from training.run_dir import WANDB_RUN_ID_FILE, run_dir
+from training.secrets import redact_secrets
+
+
+class _KeptMetrics(ExperimentWriter):
+    """CSVLogger's writer, which appends to an existing metrics.csv instead of deleting it."""
+
+    def _check_log_dir_exists(self) -> None:
+        if os.path.isfile(self.metrics_file_path):  # its columns, so that rows with fewer keys append under them
+            with open(self.metrics_file_path, newline="") as f:
+                self.metrics_keys = sorted(next(csv.reader(f), []))
+
+    def starts_at(self, step: int) -> None:
+        """Keep the file's rows of steps below `step`, in order."""
+        self.save()
+        if not os.path.isfile(self.metrics_file_path):
+            return
+        with open(self.metrics_file_path, newline="") as f:
+            reader = csv.DictReader(f)
+            header, rows = reader.fieldnames or [], [row for row in reader if int(row["step"]) < step]
+        with open(self.metrics_file_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+class ResumableCSVLogger(CSVLogger):
+    """Lightning's CSVLogger whose metrics.csv holds the whole run: a resumed fit appends to it."""
+
+    @property
+    def experiment(self) -> _KeptMetrics:
+        if self._experiment is None and rank_zero_only.rank == 0:  # Lightning's property, with our writer
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _KeptMetrics(log_dir=self.log_dir)
+        return super().experiment
+
+    @rank_zero_only
+    def starts_at(self, step: int) -> None:
+        self.experiment.starts_at(step)
+
+    @rank_zero_only
+    def covered_below(self, step: float) -> None:
+        self.experiment.save()  # the rows a checkpoint covers reach the disk with it
+
+
+class ResumableTensorBoardLogger(TensorBoardLogger):
+    """Lightning's TensorBoardLogger, whose fits hide what an earlier process logged at their steps and later."""
+
+    @rank_zero_only
+    def starts_at(self, step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        # What SummaryWriter(purge_step=step) writes: the experiment exists already (the run's hparams are logged).
+        self.experiment.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        self.experiment.flush()
+
+    @rank_zero_only
+    def covered_below(self, step: float) -> None:
+        self.experiment.flush()  # the events a checkpoint covers reach the disk with it
+
+
+# Seconds between W&B's writes of a run's file (`.wandb`, what `wandb sync` uploads): the rows a checkpoint covers are
+# on disk this long after it.
+WANDB_FLUSH_S = 1.0
+
+
+class SecretSafeWandbLogger(WandbLogger):
+    """WandbLogger whose run records the command line with secrets masked, and whose history only ever receives rows
+    that a checkpoint covers (`covered_below`), once each.
+
+    wandb stores sys.argv in the run's metadata (and `wandb sync` uploads it), out of reach of the masking of
+    config.yaml and of the logged config; a password typed as a command-line value would land there. sys.argv is
+    masked only while the logger's run is reached (started on the first access): Lightning's launcher still needs the
+    real one to start the other ranks.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("settings") is None:  # W&B writes its run file every 15 s: a kill lost what came after
+            import wandb
+
+            kwargs["settings"] = wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S)
+        super().__init__(*args, **kwargs)
+        self._held: list[tuple[dict, int]] = []
+        self._covered = math.inf  # until a fit says otherwise (a run without checkpoints never holds a row)
+
+    @property
+    def experiment(self):
+        saved = sys.argv[:]
+        sys.argv[1:] = [redact_secrets(arg) for arg in saved[1:]]
+        try:
+            return super().experiment
+        finally:
+            sys.argv[:] = saved
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step: int | None = None) -> None:
+        if step is not None and step >= self._covered:
+            self._held.append((dict(metrics), step))
+        else:
+            super().log_metrics(metrics, step)
+
+    def starts_at(self, step: int) -> None:
+        self._covered = step
+
+    def covered_below(self, step: float) -> None:
+        """Send the held rows of steps below `step`, in the order they were logged."""
+        self._covered = max(self._covered, step)
+        ready = [(metrics, s) for metrics, s in self._held if s < self._covered]
+        self._held = [(metrics, s) for metrics, s in self._held if s >= self._covered]
+        for metrics, s in ready:
+            super().log_metrics(metrics, s)
+
+
+def wandb_online() -> bool:
+    """Whether WandbLogger goes online although its config says offline: with WANDB_API_KEY set, or under `wandb
+    agent` (WANDB_SWEEP_ID), whose login sits in ~/.netrc rather than in the environment. WANDB_MODE, when set, wins."""
+    return "WANDB_MODE" not in os.environ and bool(os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_SWEEP_ID"))
+
+
+# Lightning's loggers -> ours, the same arguments: a config names Lightning's, and gets curves that survive a resume.
+RESUMABLE: dict[type[Logger], type[Logger]] = {CSVLogger: ResumableCSVLogger, TensorBoardLogger:
+                                               ResumableTensorBoardLogger, WandbLogger: SecretSafeWandbLogger}
+
+
+class LoggerInstantiator:
+    """Builds each of Lightning's TensorBoard, CSV and W&B loggers as its resumable class (RESUMABLE); a fit resumed
+    from a checkpoint continues the W&B run of its run directory instead of starting a second one.
+    The W&B id is read here rather than put in the config, so that config.yaml, rerun elsewhere (a sweep's best.yaml,
+    say), starts a W&B run of its own."""
+
+    def __init__(self, cli) -> None:
+        self.cli = cli
+
+    def __call__(self, class_type, *args, **kwargs):
+        if class_type is WandbLogger:
+            config = self.cli.config[self.cli.subcommand]
+            saved = Path(run_dir(config)) / WANDB_RUN_ID_FILE
+            if self.cli.subcommand == "fit" and config.ckpt_path and kwargs.get("id") is None \
+                    and kwargs.get("version") is None and saved.is_file():
+                # resume explicitly: jsonargparse passes every wandb.init argument, None included, over Lightning's
+                # "allow"
+                kwargs.update(id=saved.read_text().strip(), resume="allow")
+        return RESUMABLE.get(class_type, class_type)(*args, **kwargs)
