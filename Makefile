@@ -55,5 +55,10 @@ dashboard: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# What `make train`, `make bench-quick` and the tools made, and nothing else: a run of yours under $(RUNS)/ stays.
+MADE   ?= $(DATA) $(RUNS)/quickstart $(RUNS)/bench-quick .pytest_cache .ruff_cache
+
 clean:
-	rm -rf $(RUNS) $(DATA) .pytest_cache
+	@for path in $(MADE); do if [ -e "$$path" ]; then rm -rf "$$path" && echo "removed $$path"; fi; done
+	@kept="$$(cd $(RUNS) 2>/dev/null && ls -d */ | sed 's|/$$||; s|^|$(RUNS)/|' | paste -sd' ')"; \
+	if [ -n "$$kept" ]; then echo "kept $$kept"; fi

@@ -208,19 +208,43 @@ def _state_dict_from_torchvision(arch: str, name: str) -> dict[str, torch.Tensor
         choices = [w.name for w in torchvision.models.get_model_weights(arch)] + ["DEFAULT"]
         raise ValueError(f"model.net.weights={name!r} is not a {arch} weights name; choose one of {choices}, "
                          "a file path, or null") from None
-    file_name = os.path.basename(w.url)
-    cached = Path(torch.hub.get_dir()) / "checkpoints" / file_name
-    if cached.is_file():
-        # Read here rather than by torchvision's get_state_dict, whose torch.hub load unpickles anything: a file
-        # dropped into the cache must not run code.
-        return _state_dict_from_file(cached, key=f"model.net.weights={name}: the cached file")
     try:
-        return torch.hub.load_state_dict_from_url(w.url, progress=True, check_hash=True, weights_only=True)
-    except Exception as err:  # no network, proxy, truncated download...
+        path = cached_download(w.url)
+    except Exception as err:  # no network, proxy, truncated download, a file that fails its hash...
         raise RuntimeError(
             f"could not download {arch} weights {name} ({type(err).__name__}: {err}). Without network access, "
-            f"copy {file_name} to {cached} ($TORCH_HOME/hub/checkpoints/) or pass model.net.weights=/path/to/file.pth"
+            f"put the file in {cache_dir()} first: {offline_command(w.url)}; or pass model.net.weights=/path/to/file"
         ) from None
+    # Read here rather than by torchvision's get_state_dict, whose torch.hub load unpickles anything: a file dropped
+    # into the cache must not run code.
+    return _state_dict_from_file(path, key=f"model.net.weights={name}: the cached file")
+
+
+def cache_dir() -> Path:
+    """torch.hub's folder of downloaded weights: $TORCH_HOME/hub/checkpoints (~/.cache/torch/hub/checkpoints)."""
+    return Path(torch.hub.get_dir()) / "checkpoints"
+
+
+def offline_command(url: str) -> str:
+    """The command that puts the weights file of `url`, fetched on a machine with internet, where the cache reads it."""
+    return f"mkdir -p {cache_dir()} && cp {os.path.basename(url)} {cache_dir()}/"
+
+
+def cached_download(url: str) -> Path:
+    """The file of `url` in torch.hub's cache, downloaded by one process at a time: the ranks of a node (and nodes that
+    share the cache folder) wait on a lock beside the file while the first downloads it once, then read it. A
+    download is checked against the SHA-256 prefix in its name (torchvision's files carry one) before it lands in
+    the cache under its name; a file already there is read as it is."""
+    from filelock import FileLock
+
+    path = cache_dir() / os.path.basename(url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not path.is_file():
+            found = torch.hub.HASH_REGEX.search(path.name)
+            torch.hub.download_url_to_file(url, str(path), hash_prefix=found.group(1) if found else None,
+                                           progress=sys.stderr.isatty())
+    return path
 
 
 def _timm():

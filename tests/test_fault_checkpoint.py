@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -159,7 +160,7 @@ def test_nan_weights_are_never_written(tmp_path):
     io.save_checkpoint(_ckpt(float("-inf")), path)  # metric states such as MaxMetric's start at -inf: allowed
 
 
-def test_truncated_last_checkpoint_falls_back_to_newest_intact(tmp_path, capsys):
+def test_truncated_last_checkpoint_falls_back_to_newest_intact(tmp_path, caplog):
     io = AtomicCheckpointIO()
     io.save_checkpoint(_ckpt(1.0), tmp_path / "step0000002.ckpt")
     io.save_checkpoint(_ckpt(2.0), tmp_path / "step0000004.ckpt")
@@ -167,9 +168,12 @@ def test_truncated_last_checkpoint_falls_back_to_newest_intact(tmp_path, capsys)
     last = tmp_path / "last.ckpt"
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a crash mid-write without atomic saves
     (tmp_path / "empty.ckpt").touch()
-    with pytest.warns(UserWarning, match=f"checkpoint {last} is unusable: truncated"):
+    with caplog.at_level("INFO"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # one plain line, not a Python warning with a source path
         plan = resolve_resume("last", tmp_path, auto_resume=False)
     assert plan.path == str(tmp_path / "step0000004.ckpt")
+    assert (f"skipped {last}, which is unusable (truncated or not a checkpoint" in caplog.text
+            and f"will be moved to last.ckpt.corrupt; continuing from {tmp_path / 'step0000004.ckpt'}" in caplog.text)
     assert set(plan.unusable) == {last, tmp_path / "empty.ckpt"}
     assert last.exists()  # choosing is read-only: every rank chooses at once; rank 0 tidies once they agree
     tidy_checkpoint_folders([tmp_path], plan.unusable)
@@ -177,8 +181,10 @@ def test_truncated_last_checkpoint_falls_back_to_newest_intact(tmp_path, capsys)
     # An explicit broken path falls back too; auto_resume with no checkpoint folder starts from scratch.
     broken = tmp_path / "step0000006.ckpt"
     broken.write_bytes(b"PK\x03\x04")
-    with pytest.warns(UserWarning, match=f"checkpoint {broken} is unusable"):
+    caplog.clear()
+    with caplog.at_level("INFO"):
         assert resolve_resume(str(broken), tmp_path, auto_resume=False).path == str(tmp_path / "step0000004.ckpt")
+    assert f"skipped {broken}, which is unusable" in caplog.text
     assert resolve_resume(None, tmp_path / "none", auto_resume=True).path is None
 
 

@@ -252,15 +252,18 @@ def newest_intact_checkpoint(folder: Path | list[Path], first: Path | None = Non
     candidates = [p for _, p in sorted(candidates, key=lambda c: c[0], reverse=True)]
     if first is not None:
         candidates = [first] + [p for p in candidates if p != first]
-    unusable = []
+    problems: dict[Path, str] = {}
+    found = None
     for path in candidates:
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path, unusable
-        unusable.append(path)
-        rank_zero_warn(f"checkpoint {path} is unusable: {problem}; trying an older one (it will be moved to "
-                       f"{path.name}.corrupt)")
-    return None, unusable
+        problems[path] = checkpoint_problem(path)
+        if problems[path] is None:
+            found = problems.pop(path) or path
+            break
+    then = f"continuing from {found}" if found else "no intact checkpoint is left"
+    for path, problem in problems.items():  # one plain line each, as every announcement
+        rank_zero_info(f"skipped {path}, which is unusable ({problem}) and will be moved to {path.name}.corrupt; "
+                       f"{then}")
+    return found, list(problems)
 
 
 def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | list[Path], auto_resume: bool) -> ResumePlan:
