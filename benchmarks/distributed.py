@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import free_port, run_forked, standalone, table
 from lightning_modules.network import BackboneWithHead
-from training.strategy import COMPRESSIONS, build_comm_hook
+from training.distributed.strategy import COMPRESSIONS, build_comm_hook
 
 TITLE = "Distributed: gradient compression (CPU, gloo)"
 POWERSGD_RANK = 4
@@ -143,7 +143,7 @@ def _fit_two_processes(compression: str, data: str, run: Path, epochs: int) -> P
            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
            "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(run),
            "--trainer.enable_model_summary", "false",
-           "--trainer.strategy=training.strategy.CompressedDDPStrategy",
+           "--trainer.strategy=training.distributed.strategy.CompressedDDPStrategy",
            f"--trainer.strategy.compression={compression}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))

@@ -1,4 +1,4 @@
-"""Memory per rank of FSDP2 (training.fsdp) against DDP, on 2 CPU processes (gloo): the bytes of parameters,
+"""Memory per rank of FSDP2 (training.distributed.fsdp) against DDP, on 2 CPU processes (gloo): the bytes of parameters,
 gradients and optimizer state each rank holds after a training step, and how much its resident memory grew at peak.
 
     python -m benchmarks.fsdp_memory            # resnet50, resnet152, wide_resnet101_2 (a few minutes on 2 cores)
@@ -33,7 +33,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from benchmarks.common import run_forked, standalone, table
 from lightning_modules.network import BackboneWithHead
-from training.fsdp import shard
+from training.distributed.fsdp import shard
 
 TITLE = "FSDP2 against DDP: memory per rank (CPU, gloo, 2 processes)"
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_ac")

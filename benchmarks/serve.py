@@ -40,10 +40,10 @@ def write_folder(folder: Path, arch: str, size: int) -> Path:
     from safetensors.torch import save_file
 
     from datamodules.presets import input_contract
+    from deploy.publish import model_config
     from lightning_modules import ImageClassifier
     from lightning_modules.pretrained import network_factory
-    from training.from_checkpoint import SavedRun
-    from training.publish import model_config
+    from training.records.saved_run import SavedRun
 
     torch.manual_seed(0)
     contract = input_contract("imagenet", size)
@@ -63,7 +63,7 @@ def plain_server(folder: str, port: int) -> None:
 
     import torch
 
-    from training.serve import decode_image, eval_transform, load_served
+    from deploy.serve import decode_image, eval_transform, load_served
 
     served = load_served(folder)
     transform, lock = eval_transform(served.contract), threading.Lock()
@@ -95,7 +95,7 @@ def forward_rates(folder: str, batches: list[int], seconds: float) -> dict[int, 
     inference worker of `imgcls serve` gets, in this process's main thread (where LitServe's loop runs a batch)."""
     import torch
 
-    from training.serve import choose_workers, load_served
+    from deploy.serve import choose_workers, load_served
 
     cuda = torch.cuda.is_available()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -121,7 +121,7 @@ def forward_rates(folder: str, batches: list[int], seconds: float) -> dict[int, 
 
 def forward_in_a_worker(folder: str, batches: list[int], seconds: float) -> dict[int, float]:
     """`forward_rates` in a fresh process whose OpenMP reads the wait `imgcls serve` gives its workers."""
-    from training.serve import passive_openmp
+    from deploy.serve import passive_openmp
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     passive_openmp(env)

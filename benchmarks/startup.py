@@ -1,11 +1,11 @@
 """Process start-up: the wall time of a whole `imgcls fit --print_config` process (interpreter start, imports,
-config parsing, exit), with training/startup.py's collector settings against the same command imported as a library.
+config parsing, exit), with training/cli/startup.py's collector settings against the same command imported as a library.
 
     python -m benchmarks.startup [--quick]
 
 Every `imgcls` command, DDP rank and sweep trial pays this once; a short run pays it more than once (a DDP rank
 that Lightning starts runs the command again). The candidates run round-robin, each in a fresh interpreter:
-- baseline: `python -c "from training.cli import main; main()" fit ...`, the imports with the collector on;
+- baseline: `python -c "from training.cli.app import main; main()" fit ...`, the imports with the collector on;
 - `python -m training.cli fit ...` and the `imgcls` console script: the collector off during the imports, and what
   they built frozen after them.
 """
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["fit", "--config", "configs/quickstart.yaml", "--print_config"]
 BASELINE = "imports as a library, collector on (baseline)"
 CANDIDATES = {
-    BASELINE: [sys.executable, "-c", "from training.cli import main; main()"],
+    BASELINE: [sys.executable, "-c", "from training.cli.app import main; main()"],
     "python -m training.cli": [sys.executable, "-m", "training.cli"],
     "imgcls (console script)": [str(Path(sys.executable).with_name("imgcls"))],
 }

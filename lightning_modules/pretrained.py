@@ -1,7 +1,7 @@
 """A model folder in the Hugging Face Hub's layout, as `imgcls publish` writes it: `model.safetensors` (the network's
 state dict, no pickle) and `config.json` (the network's class_path and init_args, the classes, single- or multi-label
 and the threshold, the input contract). `from_pretrained` rebuilds the model from it with no checkpoint and no config
-file; `--model.net.weights FOLDER` loads it in the CLI (training/cli.py).
+file; `--model.net.weights FOLDER` loads it in the CLI (training/cli/app.py).
 
     model = ImageClassifier.from_pretrained("runs/quickstart/published")   # or a Hub repo id: "user/digits-resnet18"
 """

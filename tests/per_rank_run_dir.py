@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from training.cli import main
+from training.cli.app import main
 
 if __name__ == "__main__":
     base, *args = sys.argv[1:]

@@ -10,7 +10,7 @@ worker) for each command. The forked process is what `python -m training.cli ARG
   stdout and stderr (files, read back by the test), and its exit status, a signal's as -N;
 - `sys.argv` and `__main__` as under `python -m training.cli`, so that Lightning's launcher starts the other DDP
   ranks with the same command, as fresh interpreters;
-- the imports done with the collector off and then frozen, as training/startup.py does them;
+- the imports done with the collector off and then frozen, as training/cli/startup.py does them;
 - the random generators reseeded from the OS, as a fresh interpreter's are (a fork would share the server's);
 - it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
 
@@ -44,10 +44,10 @@ THREADS = "1"
 
 def serve() -> None:
     """Import the CLI as `python -m training.cli` does, then answer requests until stdin closes."""
-    from training.startup import begin, done
+    from training.cli.startup import begin, done
 
     begin()
-    import training.cli  # noqa: F401
+    import training.cli.app  # noqa: F401
 
     done()
     # The protocol moves off fds 0 and 1, which each forked command points at its own files.
@@ -78,7 +78,7 @@ def _command(request: dict) -> None:
     """In the forked child: become `python -m training.cli ARGS` in the request's session, folder and environment."""
     import numpy as np
 
-    import training.cli
+    import training.cli.app
 
     os.setsid()
     os.chdir(request["cwd"])
@@ -89,9 +89,10 @@ def _command(request: dict) -> None:
         os.dup2(opened, fd)
         os.close(opened)
     np.random.seed()  # (Python's `random` reseeds itself in a forked child; NumPy's global generator does not)
-    sys.argv = [training.cli.__file__, *request["args"]]
+    sys.argv = [str(Path(training.cli.__file__).with_name("__main__.py")), *request["args"]]
     sys.modules["__main__"] = training.cli  # Lightning's launcher reads __main__.__spec__ for the ranks' command
-    module, _, function = request.get("entry", "training.cli:main").partition(":")  # another: tests/test_preloaded.py
+    # another entry: tests/test_preloaded.py
+    module, _, function = request.get("entry", "training.cli.app:main").partition(":")
     getattr(importlib.import_module(module), function)()
     raise SystemExit(0)
 
@@ -158,7 +159,7 @@ _SERVER: Server | None = None
 
 
 def command(args: list[str], cwd: Path, env: dict[str, str], root: Path, server_env: dict[str, str],
-            entry: str = "training.cli:main") -> Command | None:
+            entry: str = "training.cli.app:main") -> Command | None:
     """`args` run by this process's server, started on first use; None where a fresh interpreter must run them."""
     global _SERVER
     if "1" in (os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS"), env.get("IMGCLS_TEST_FRESH_INTERPRETERS")) \

@@ -1,5 +1,5 @@
 """A stand-in for a sweep trial's `imgcls fit` process, with no training and no Lightning import: it leaves in the
-study what training.sweep_trial's callback leaves there (test_trial_callback_leaves_what_the_sweep_reads checks that
+study what training.sweeps.trial's callback leaves there (test_trial_callback_leaves_what_the_sweep_reads checks that
 the callback does), so that tests of the sweep process run in seconds.
 
     python -m tests.sweep_fake_trial fit ... --model.optimizer.lr=0.01 ... --trainer.default_root_dir=<run dir>
@@ -20,7 +20,7 @@ from pathlib import Path
 import optuna
 import yaml
 
-from training.sweep_trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_trial
+from training.sweeps.trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_trial
 
 
 def main(argv: list[str]) -> None:

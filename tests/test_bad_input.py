@@ -19,7 +19,7 @@ from datamodules import ImageFolderDataModule
 from datamodules.bad_images import find_bad_images, image_problem
 from lightning_modules import BackboneWithHead, ImageClassifier
 from tests.helpers import CONFIGS, TINY, make_image_folder, run_cli
-from training.cli import main
+from training.cli.app import main
 
 
 def _truncated_jpeg(path: Path) -> Path:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from core import hardware
 from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
-from training.cli import cli_main, main
+from training.cli.app import cli_main, main
 
 QUIET = ["--trainer.enable_model_summary", "false"]
 
@@ -187,7 +187,7 @@ def test_production_config_runs_one_batch_on_cpu(tmp_path):
 
 STARTUP_PROBE = """
 import gc, runpy, sys
-from training import startup
+from training.cli import startup
 sys.argv = ["imgcls", "fit", "--config", "configs/quickstart.yaml", "--print_config"]
 collections = lambda: sum(generation["collections"] for generation in gc.get_stats())
 begin, done, started = startup.begin, startup.done, []
@@ -213,7 +213,7 @@ for entry in ("python -m training.cli", "imgcls"):
 
 def test_both_entry_points_freeze_their_imports_and_run_with_the_collector_on():
     """`imgcls` and `python -m training.cli` import with the cyclic collector off (no collection runs), freeze what
-    the imports built, and run the command with the collector back on (training/startup.py). The probe runs each
+    the imports built, and run the command with the collector back on (training/cli/startup.py). The probe runs each
     entry in one fresh interpreter, so this process's objects stay unfrozen."""
     import subprocess
     import sys

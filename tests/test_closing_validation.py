@@ -8,7 +8,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import CONFIGS, TINY
-from training.cli import cli_main
+from training.cli.app import cli_main
 
 EPOCHS = 3
 
@@ -31,7 +31,7 @@ def _images(run) -> dict[str, list[int]]:
 ])
 def test_the_best_checkpoint_is_validated_again_only_when_it_is_not_the_last_validated(
         tmp_path, digits_root, capsys, best, budget, closing, drawn_at):
-    from training.cli import ImgclsCLI
+    from training.cli.app import ImgclsCLI
 
     run = tmp_path / "run"
     overlay = tmp_path / "callbacks.yaml"

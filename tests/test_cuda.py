@@ -34,7 +34,7 @@ def test_a_16_mixed_fit_killed_and_resumed_on_cuda_ends_bitwise_equal(tmp_path, 
 
 @pytest.mark.parametrize("compression", ["fp16", "powersgd"])
 def test_compression_hooks_train_on_nccl(tmp_path, digits_root, compression):
-    strategy = {"class_path": "training.strategy.CompressedDDPStrategy",
+    strategy = {"class_path": "training.distributed.strategy.CompressedDDPStrategy",
                 "init_args": {"compression": compression, "powersgd": {"start_iter": 2, "rank": 2}}}
     config = _gpu_config(tmp_path, digits_root, compression, precision="16-mixed", strategy=strategy)
     result = fit_run(config, tmp_path / "run")

@@ -16,7 +16,7 @@ from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier
 from tests.distributed_probe import Probe
 from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
-from training.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
+from training.distributed.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_strategy_is_configurable_from_yaml():
     strategy = _strategy_from_yaml(
         "trainer:\n"
         "  strategy:\n"
-        "    class_path: training.strategy.CompressedDDPStrategy\n"
+        "    class_path: training.distributed.strategy.CompressedDDPStrategy\n"
         "    init_args: {compression: powersgd, powersgd: {rank: 2, start_iter: 5}, bucket_cap_mb: 8,\n"
         "                static_graph: true, post_local_sgd: null}\n"
     )
@@ -219,14 +219,14 @@ def test_fsdp_config_builds_block_sharded_fsdp2_for_large_backbones():
     import yaml
     from torchvision.models.resnet import Bottleneck
 
-    from training.fsdp import FSDP2Strategy
+    from training.distributed.fsdp import FSDP2Strategy
 
     proc = run_cli("fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
                    "--print_config", timeout=120)
     config = yaml.safe_load(proc.stdout)
     assert config["model"]["net"]["init_args"]["arch"] == "resnet152" and config["trainer"]["devices"] == 8
     assert config["model"]["levers"]["optimizer_impl"] == "foreach" and config["trainer"]["precision"] == "bf16-mixed"
-    assert config["trainer"]["strategy"]["class_path"] == "training.fsdp.FSDP2Strategy"
+    assert config["trainer"]["strategy"]["class_path"] == "training.distributed.fsdp.FSDP2Strategy"
 
     strategy = _strategy_from_yaml((CONFIGS / "fsdp.yaml").read_text())
     assert type(strategy) is FSDP2Strategy
@@ -239,7 +239,7 @@ def test_powersgd_memories_survive_an_overflowed_step(master_port):
     warm-start Q: the steps after it give finite gradients again."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from training.strategy import build_comm_hook
+    from training.distributed.strategy import build_comm_hook
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)

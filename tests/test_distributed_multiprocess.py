@@ -37,7 +37,7 @@ from tests.helpers import (
     make_image_folder,
     run_cli,
 )
-from training.strategy import CompressedDDPStrategy
+from training.distributed.strategy import CompressedDDPStrategy
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _probe_args(out: Path, **init_args) -> list[str]:
 
 
 def _strategy_args(**init_args) -> list[str]:
-    args = ["--trainer.strategy=training.strategy.CompressedDDPStrategy"]
+    args = ["--trainer.strategy=training.distributed.strategy.CompressedDDPStrategy"]
     return args + [f"--trainer.strategy.{k}={v}" for k, v in init_args.items()]
 
 
@@ -365,7 +365,7 @@ def test_two_process_powersgd_fit_exits_0_without_terminate_five_times_in_a_row(
     """Issue 22: a 2-process PowerSGD fit trained, saved and printed its summary, and then, now and then, a rank died
     of "terminate called without an active exception" (SIGABRT): a gloo worker thread was still releasing the last
     collective (after_fit's broadcast) when the interpreter shut down. Before the process groups were destroyed at
-    the end of the run (training.strategy.destroy_process_groups), this setup hit it in about 1 run in 2.
+    the end of the run (training.distributed.strategy.destroy_process_groups), this setup hit it in about 1 run in 2.
 
     The issue's command: the production config's strategy with PowerSGD, 3 steps, which end the fit inside its first
     epoch (5 batches a rank), so that no validation stands between that broadcast and the exit. One dataset for the

@@ -20,11 +20,12 @@ import torch
 import torchvision
 import yaml
 
-import training.checkpointing as checkpointing
+import training.resume.checkpoints as checkpointing
 from lightning_modules.network import BackboneWithHead
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
 from training.callbacks import ModelCheckpoint
-from training.checkpointing import (
+from training.records.secrets import redact_secrets
+from training.resume.checkpoints import (
     AsyncAtomicCheckpointIO,
     AtomicCheckpointIO,
     CheckpointWriteError,
@@ -33,7 +34,6 @@ from training.checkpointing import (
     resolve_resume,
     tidy_checkpoint_folders,
 )
-from training.secrets import redact_secrets
 
 
 def _ckpt(value: float) -> dict:
@@ -259,7 +259,7 @@ def test_torchrun_ranks_with_different_views_of_the_folder_resume_from_one_check
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          "-m", "tests.per_rank_run_dir", str(tmp_path), "fit", *common, "--trainer.max_epochs", "3",
-         "--trainer.devices", "2", "--trainer.strategy", "training.strategy.CompressedDDPStrategy",
+         "--trainer.devices", "2", "--trainer.strategy", "training.distributed.strategy.CompressedDDPStrategy",
          "--trainer.strategy.timeout_s", "60", "--trainer.callbacks+=tests.distributed_probe.Probe",
          f"--trainer.callbacks.out_dir={probe}", "--ckpt_path", "last"],
         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
@@ -301,7 +301,7 @@ def test_pickle_planted_in_the_torch_hub_cache_is_refused(tmp_path, monkeypatch)
 
 
 def test_export_refuses_a_crafted_pickle_in_one_line(tmp_path):
-    from training import export
+    from deploy import export
 
     marker = tmp_path / "pwned"
     evil = _evil_checkpoint(tmp_path / "evil.ckpt", marker)
@@ -433,7 +433,7 @@ CHECKPOINT_DEFAULTS = {"monitor": None, "mode": "min", "filename": None, "save_t
 
 def test_users_own_model_checkpoints_save_what_they_ask_for(tmp_path, digits_root, caplog):
     """All the variants in one fit, each in a folder of its own (the combination users end up with)."""
-    from training.cli import cli_main
+    from training.cli.app import cli_main
 
     run = tmp_path / "run"
     folders = {variant: run / f"ckpts{i}" for i, variant in enumerate(USER_CHECKPOINTS)}

@@ -31,7 +31,7 @@ from tests.helpers import (
 from tests.helpers import (
     last_weights as _weights,
 )
-from training.checkpointing import checkpoint_problem
+from training.resume.checkpoints import checkpoint_problem
 
 STEPS_PER_EPOCH = 4  # 32 train images / batch 8
 # (global step, where, the checkpoint a resume must start from); checkpoints every 2 steps, only the newest step one
@@ -61,7 +61,7 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     cfg = resume_config(devices)
     assert "plugins" not in cfg["trainer"]  # shipped: checkpoints written on the training thread
     if background_writes:
-        cfg["trainer"]["plugins"] = [{"class_path": "training.checkpointing.AsyncAtomicCheckpointIO"}]
+        cfg["trainer"]["plugins"] = [{"class_path": "training.resume.checkpoints.AsyncAtomicCheckpointIO"}]
     callbacks = cfg["trainer"]["callbacks"]
     if recipe:
         cfg["model"]["recipe"].update(mixup_alpha=0.2, cutmix_alpha=1.0)
@@ -239,7 +239,7 @@ def test_ddp_rank_lost_mid_step_peer_exits_within_timeout(tmp_path, data, sig, e
     stamp = tmp_path / "rank1_lost_at"
     args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "run"),
             "--trainer.num_nodes", "2", "--data.batch_size", "4",
-            "--trainer.strategy", "training.strategy.CompressedDDPStrategy",
+            "--trainer.strategy", "training.distributed.strategy.CompressedDDPStrategy",
             "--trainer.strategy.timeout_s", str(timeout_s), *kill_args(3, "train_start", rank=1),
             f"--trainer.callbacks.sig={int(sig)}", "--trainer.callbacks.stamp", str(stamp)]
     port = str(free_port())
@@ -302,7 +302,7 @@ def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tm
 
     from datamodules import ImageFolderDataModule
     from lightning_modules import BackboneWithHead, ImageClassifier
-    from training.callbacks import ExactResume
+    from training.resume import ExactResume
 
     class Model(_SeedRecorder, ImageClassifier):
         seeds: list
@@ -343,8 +343,8 @@ def test_non_finite_loss_guard_checks_in_batches_and_always_before_a_save():
     a checkpoint save checks at once."""
     from types import SimpleNamespace
 
-    from training.callbacks import NonFiniteLossGuard
-    from training.faults import NonFiniteLossError
+    from training.resume import NonFiniteLossGuard
+    from training.resume.faults import NonFiniteLossError
 
     trainer = SimpleNamespace(global_step=0, current_epoch=0, checkpoint_callbacks=[])
     guard = NonFiniteLossGuard(check_every_n_steps=4)
@@ -364,7 +364,7 @@ def test_non_finite_loss_guard_checks_in_batches_and_always_before_a_save():
 def test_fault_guards_never_synchronise_a_cuda_step_between_checks():
     from types import SimpleNamespace
 
-    from training.callbacks import NonFiniteLossGuard
+    from training.resume import NonFiniteLossGuard
 
     trainer = SimpleNamespace(global_step=0, current_epoch=0, checkpoint_callbacks=[])
     guard = NonFiniteLossGuard()

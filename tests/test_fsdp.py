@@ -1,5 +1,5 @@
-"""FSDP2 (training.fsdp.FSDP2Strategy, configs/fsdp.yaml): refusals and sharded-checkpoint handling in one process;
-then 2 gloo CPU processes: sharding, equality with DDP, a sharded checkpoint and an exact resume."""
+"""FSDP2 (training.distributed.fsdp.FSDP2Strategy, configs/fsdp.yaml): refusals and sharded-checkpoint handling in
+one process; then 2 gloo CPU processes: sharding, equality with DDP, a sharded checkpoint and an exact resume."""
 
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ import torch
 import torch.multiprocessing as mp
 
 from datamodules import ImageFolderDataModule
+from deploy.export import load_for_export
 from lightning_modules import BackboneWithHead, ImageClassifier, Levers
 from lightning_modules.schedules import WarmupCosine
 from tests.helpers import free_port, join_ranks, make_image_folder
 from training.callbacks import FreezeBackbone, ModelCheckpoint
-from training.checkpointing import (
+from training.distributed.fsdp import FSDP2Strategy, consolidate
+from training.distributed.strategy import CompressedDDPStrategy
+from training.resume.checkpoints import (
     NonFiniteWeightsError,
     checkpoint_problem,
     resolve_resume,
     tidy_checkpoint_folders,
 )
-from training.export import load_for_export
-from training.faults import fault_callbacks
-from training.fsdp import FSDP2Strategy, consolidate
-from training.strategy import CompressedDDPStrategy
+from training.resume.faults import fault_callbacks
 
 BLOCK = "torchvision.models.resnet.Bottleneck"
 ARCH = "resnet50"  # 25.6M parameters with the 1024 head: the kind of backbone FSDP is for, here at 32 px
@@ -98,7 +98,7 @@ def test_a_sharded_checkpoint_is_renamed_into_place_and_never_holds_nan(tmp_path
         assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary or old folder left
         assert checkpoint_problem(path) is None and (path / "__0_0.distcp").is_file()
     # One file of it, for predict and export (which refuses the folder, naming this command): the same weights.
-    with pytest.raises(ValueError, match=f"is a sharded checkpoint .*: python -m training.fsdp {path} "):
+    with pytest.raises(ValueError, match=f"is a sharded checkpoint .*: python -m training.distributed.fsdp {path} "):
         load_for_export(path)
     single, _ = load_for_export(consolidate(path, tmp_path / "last-full.ckpt"))
     whole = _full_state(model)

@@ -31,13 +31,13 @@ FENCE = {
     "_run": ("training/trainer.py: Trainer._run",
              "the ranks agree on the resume checkpoint after the process group exists and before any rank reads it; "
              "Lightning has no hook between the two, and the checkpoint path is a local of _run"),
-    "_data_fetcher": ("training/callbacks/exact_resume.py",
+    "_data_fetcher": ("training/resume/exact.py",
                       "a restored loader position needs a fresh iterator from the fetcher Lightning already started; "
                       "_should_check_val_fx takes it too"),
-    "_should_check_val_fx": ("training/callbacks/exact_resume.py",
+    "_should_check_val_fx": ("training/resume/exact.py",
                              "whether a validation follows this batch (a step save is deferred past it); the rule has "
                              "private inputs of its own (time-based intervals, early stopping)"),
-    "_combined_loader_states_to_load": ("training/callbacks/exact_resume.py",
+    "_combined_loader_states_to_load": ("training/resume/exact.py",
                                         "the loader positions Lightning restored but never applies once "
                                         "estimated_stepping_batches built the loader; no public way to read or drop "
                                         "them"),
@@ -52,22 +52,22 @@ FENCE = {
     "_save_last_checkpoint": ("training/callbacks/checkpoint.py",
                               "the one place Lightning writes last.ckpt: overridden to link it instead of writing "
                               "the same state twice"),
-    "_check_log_dir_exists": ("training/loggers.py: _KeptMetrics",
+    "_check_log_dir_exists": ("training/records/loggers.py: _KeptMetrics",
                               "Lightning's CSVLogger deletes metrics.csv there when a run starts again in its folder; "
                               "the writer has no option to keep it"),
-    "_experiment": ("training/loggers.py: ResumableCSVLogger.experiment",
+    "_experiment": ("training/records/loggers.py: ResumableCSVLogger.experiment",
                     "the CSVLogger builds its writer in this property and keeps it here (finalize reads it); no "
                     "argument takes another writer class"),
-    "_composable": ("training/fsdp.py: torch.distributed._composable.checkpoint",
+    "_composable": ("training/distributed/fsdp.py: torch.distributed._composable.checkpoint",
                     "the only activation checkpointing that keeps parameter names (checkpoint_wrapper renames them "
                     "and is private too)"),
-    "_data_parallel_size": ("training/fsdp.py: FSDP2Strategy.setup_environment",
+    "_data_parallel_size": ("training/distributed/fsdp.py: FSDP2Strategy.setup_environment",
                             "every process on the data-parallel axis: the world size is known only once the Trainer "
                             "set the strategy up, and ModelParallelStrategy's `auto` means the number of nodes"),
-    "_parse_ckpt_path": ("training/cli.py: ImgclsCLI._parse_ckpt_path",
+    "_parse_ckpt_path": ("training/cli/app.py: ImgclsCLI._parse_ckpt_path",
                          "resolve `last`, auto_resume and a missing --ckpt_path, and check a resume, before the "
                          "checkpoint's hyperparameters are merged; no public hook runs between parsing and that merge"),
-    "_InstantiatorFn": ("training/cli.py: the model and data instantiators",
+    "_InstantiatorFn": ("training/cli/app.py: the model and data instantiators",
                         "Lightning's instantiator that stores the config in the hyperparameters "
                         "(load_from_checkpoint); ours wrap it"),
     "_hparams_initial": ("training/callbacks/run_config.py: RunConfig.setup",
@@ -378,11 +378,11 @@ def test_the_fenced_lightning_state_exists_on_instances():
 
 
 def test_optuna_integration_keys_used_by_the_sweep():
-    """training/sweep_trial.py writes, in a trial process, the system attributes of optuna-integration's protocol
+    """training/sweeps/trial.py writes, in a trial process, the system attributes of optuna-integration's protocol
     for a trainer in another process; the sweep reads the pruning decision from the same keys."""
     from optuna_integration.pytorch_lightning import pytorch_lightning as integration
 
-    from training.sweep_trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY
+    from training.sweeps.trial import EPOCH_KEY, INTERMEDIATE_KEY, PRUNED_KEY
 
     assert (INTERMEDIATE_KEY, PRUNED_KEY, EPOCH_KEY) == (integration._INTERMEDIATE_VALUE, integration._PRUNED_KEY,
                                                          integration._EPOCH_KEY)
@@ -412,10 +412,11 @@ def test_torchs_fused_sgd_still_steps_on_a_step_the_grad_scaler_skips():
 
 
 def test_wandb_still_takes_the_run_file_flush_interval():
-    """training/loggers.py sets W&B's experimental `x_transaction_log_flush_interval` (15 s by default), so that the
-    rows a checkpoint covers are in the offline run file soon after it; an upgrade that drops the setting fails here."""
+    """training/records/loggers.py sets W&B's experimental `x_transaction_log_flush_interval` (15 s by default), so
+    that the rows a checkpoint covers are in the offline run file soon after it; an upgrade that drops the setting
+    fails here."""
     import wandb
 
-    from training.loggers import WANDB_FLUSH_S
+    from training.records.loggers import WANDB_FLUSH_S
 
     assert wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S).x_transaction_log_flush_interval == 1.0

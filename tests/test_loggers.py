@@ -29,9 +29,9 @@ from tests.helpers import (
     wandb_offline_env,
     wandb_run_record,
 )
-from training.cli import ImgclsCLI, cli_main
-from training.loggers import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
-from training.report import read_run
+from training.cli.app import ImgclsCLI, cli_main
+from training.records.loggers import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
+from training.records.report import read_run
 
 EPOCHS = 2
 
@@ -170,7 +170,7 @@ def test_every_logger_holds_each_step_once_after_a_kill_and_a_resume(tmp_path, d
     run = tmp_path / "run"
     args = ["fit", "--config", str(path), *TINY, "--data.root", str(digits_root), "--trainer.limit_train_batches", "6",
             "--trainer.limit_val_batches", "2", "--trainer.default_root_dir", str(run)]
-    # W&B writes its run file every second (training.loggers.WANDB_FLUSH_S): the kill comes 1.5 s after step 5.
+    # W&B writes its run file every second (training.records.loggers.WANDB_FLUSH_S): the kill comes 1.5 s after step 5.
     killed = run_cli(*args, *kill_args(5, "train"), "--trainer.callbacks.wait", "1.5", check=False,
                      env=wandb_offline_env())
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]

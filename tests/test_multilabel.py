@@ -16,7 +16,7 @@ from datamodules.images import read_labels_csv
 from lightning_modules import BackboneWithHead, Recipe
 from lightning_modules.classifier import ImageClassifier
 from tests.helpers import CONFIGS, TINY, make_image_folder
-from training.figures import per_class_scores, scores_from_counts
+from training.records.figures import per_class_scores, scores_from_counts
 
 
 def _write_split(folder: Path, rows: list[tuple[str, str]], size: int = 32) -> None:
@@ -126,7 +126,7 @@ def test_per_class_scores_from_counts_agree_with_the_confusion_matrix():
 
 @pytest.mark.slow
 def test_fit_on_composited_digits_learns_and_predict_writes_the_labels_above_the_threshold(tmp_path):
-    from training.cli import cli_main
+    from training.cli.app import cli_main
 
     root = build_multilabel_demo_data(tmp_path / "digits", size=32, counts={"train": 400, "val": 100, "test": 10})
     run = tmp_path / "run"

@@ -19,10 +19,10 @@ import yaml
 
 from datamodules.images import list_images, load_rgb
 from datamodules.presets import ClassificationPresetEval
+from deploy.export import main as export_main
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
 from tests.helpers import CONFIGS, FREEZE_FIRST_EPOCH, ROOT, TINY, cli_env, free_port, run_cli
-from training.export import main as export_main
 
 FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--trainer.limit_train_batches", "4",
        "--trainer.limit_val_batches", "1"]

@@ -48,7 +48,8 @@ def test_a_forked_command_is_its_own_process_as_python_m_would_start_it(tmp_path
     _, second, _ = _run("tests.test_preloaded:facts", cwd=ROOT, IMGCLS_MARKER="two")
     assert first["pid"] != os.getpid() and first["session"] == first["pid"]  # its own session: killpg reaches its ranks
     assert first["cwd"] == str(tmp_path) and second["cwd"] == str(ROOT)
-    assert first["argv"][1:] == ["fit", "--x"] and first["argv"][0].endswith(str(Path("training", "cli.py")))
+    assert first["argv"][1:] == ["fit", "--x"]
+    assert first["argv"][0].endswith(str(Path("training", "cli", "__main__.py")))
     assert first["main"] == "training.cli"  # Lightning's launcher starts the other ranks with `-m training.cli`
     assert (first["marker"], second["marker"]) == ("one", "two")
     # Python's and NumPy's generators reseeded, as a fresh interpreter's are, not left in the server's state

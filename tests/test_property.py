@@ -263,7 +263,7 @@ def _args(config: Path, run: Path) -> list[str]:
 def _fit(config: Path, run: Path, *extra: str) -> Outcome:
     """`imgcls fit` in this process: no interpreter start and imports (seconds each) for the runs that are not
     killed."""
-    from training.cli import cli_main
+    from training.cli.app import cli_main
 
     outcome = Outcome()
     cli_main([*_args(config, run), *extra], trainer_defaults={"callbacks": [outcome]})

@@ -24,10 +24,10 @@ from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.torch import load_file
 
+from deploy.serve import SPIN_SETTINGS, choose_workers
 from lightning_modules import BackboneWithHead, ImageClassifier
 from lightning_modules.pretrained import network_factory
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
-from training.serve import SPIN_SETTINGS, choose_workers
 
 SETTINGS = ["--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true"]
 
@@ -270,8 +270,8 @@ def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tens
 
     from datamodules.images import read_image
     from datamodules.presets import eval_preset, input_contract
-    from training.from_checkpoint import SavedRun
-    from training.publish import model_config
+    from deploy.publish import model_config
+    from training.records.saved_run import SavedRun
 
     root = tmp_path_factory.mktemp("multilabel_serve")
     torch.manual_seed(0)

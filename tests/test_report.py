@@ -8,8 +8,8 @@ import pytest
 from PIL import Image
 
 from tests.helpers import CONFIGS, TINY, run_cli
-from training.report import main as report_main
-from training.report import read_csv, read_tensorboard
+from training.records.report import main as report_main
+from training.records.report import read_csv, read_tensorboard
 
 
 def test_report_from_csv_log_writes_curves_and_summary(tmp_path, digits_root):
@@ -69,7 +69,7 @@ def test_per_class_scores_match_torchmetrics():
         multiclass_recall,
     )
 
-    from training.figures import per_class_scores
+    from training.records.figures import per_class_scores
 
     torch.manual_seed(0)
     target = torch.randint(0, 5, (300,))

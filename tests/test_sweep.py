@@ -23,11 +23,11 @@ from optuna.trial import TrialState, create_trial
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli, wandb_offline_env, wandb_run_record
-from training.cli import cli_main
-from training.sweep import main as sweep_main
-from training.sweep import print_table, remaining
-from training.sweep_file import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
-from training.sweep_trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
+from training.cli.app import cli_main
+from training.sweeps.command import main as sweep_main
+from training.sweeps.command import print_table, remaining
+from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
+from training.sweeps.trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 LR, WD = "model.optimizer.lr", "model.optimizer.weight_decay"  # the swept keys: init_args of the optimizer
@@ -270,8 +270,9 @@ def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_
 
 def _fake_trials(monkeypatch, prune: str = "") -> None:
     """Trials run by tests/sweep_fake_trial.py (no training) and a sweep file taken as parsed."""
-    monkeypatch.setattr("training.sweep.check_keys", lambda sweep: None)  # `imgcls fit --print_config`: seconds
-    monkeypatch.setattr("training.sweep_trial.TRIAL_COMMAND", [sys.executable, "-m", "tests.sweep_fake_trial"])
+    # `imgcls fit --print_config` takes seconds
+    monkeypatch.setattr("training.sweeps.command.check_keys", lambda sweep: None)
+    monkeypatch.setattr("training.sweeps.trial.TRIAL_COMMAND", [sys.executable, "-m", "tests.sweep_fake_trial"])
     monkeypatch.setenv("FAKE_TRIAL_PRUNE", prune)
 
 
@@ -289,9 +290,9 @@ def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypat
             both_started.wait()  # each sweep has counted the trials it has to run before either finishes one
         return suggest(trial, sweep)[LR]
 
-    monkeypatch.setattr("training.sweep.check_keys", lambda sweep: None)
-    monkeypatch.setattr("training.sweep.run_trial", trial_in_memory)
-    monkeypatch.setattr("training.sweep.write_best", lambda study, sweep, out: None)  # no run folders here
+    monkeypatch.setattr("training.sweeps.command.check_keys", lambda sweep: None)
+    monkeypatch.setattr("training.sweeps.command.run_trial", trial_in_memory)
+    monkeypatch.setattr("training.sweeps.command.write_best", lambda study, sweep, out: None)  # no run folders here
     url = f"sqlite:///{tmp_path / 'shared.db'}" if kind == "sqlite" else f"journal:///{tmp_path / 'shared.journal'}"
     with ThreadPoolExecutor(2) as pool:
         sweeps = [pool.submit(sweep_main, ["--config", str(path), "--out", str(tmp_path / f"sweep{i}"),

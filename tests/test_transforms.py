@@ -16,10 +16,10 @@ from datamodules import ImageFolderDataModule
 from datamodules.images import list_images, read_image
 from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain, input_contract
 from datamodules.transforms import build_transform, eval_transform_config
+from deploy.export import preprocessing
 from tests.helpers import killed_and_resumed, make_image_folder, resume_config, run_cli
 from tests.user_plugins import SquareResize
-from training.export import preprocessing
-from training.from_checkpoint import SavedRun
+from training.records.saved_run import SavedRun
 
 USER_TRANSFORMS = {  # by YAML alone: a v2 Compose holding a user's step, and a user's evaluation class
     "train_transform": {"class_path": "torchvision.transforms.v2.Compose", "init_args": {"transforms": [

@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from core import hardware
-from training.checkpointing import ResumePlan, agree_on_resume, tidy_checkpoint_folders
+from training.resume.checkpoints import ResumePlan, agree_on_resume, tidy_checkpoint_folders
 
 # The values lightning.Trainer's `precision` takes (tests/test_internals.py checks them against its annotation), and
 # `auto`: typed, so that `--help` lists them and the CLI refuses a typo.
@@ -25,7 +25,7 @@ class Trainer(L.Trainer):
     with native bf16 (AVX512-BF16 or AMX), 32-true on any other CPU. The choice and its reason are printed. An
     explicit precision is obeyed, with a warning when it asks for bf16 on a CPU that would emulate it.
 
-    A fit resumes every rank from rank 0's checkpoint (`training.checkpointing.agree_on_resume`); rank 0 then moves
+    A fit resumes every rank from rank 0's checkpoint (`training.resume.checkpoints.agree_on_resume`); rank 0 then moves
     the unusable checkpoints of `resume_plan` aside and removes the leftovers of killed checkpoint writes.
     """
 

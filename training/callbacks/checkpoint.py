@@ -49,7 +49,8 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
     def _save_last_checkpoint(self, trainer, monitor_candidates: dict) -> None:
         io = trainer.strategy.checkpoint_io
         fresh = self._last_checkpoint_saved and self._last_global_step_saved == trainer.global_step
-        # A sharded checkpoint (a folder, training.fsdp) is written by the strategy, not by the CheckpointIO: in full.
+        # A sharded checkpoint (a folder, training.distributed.fsdp) is written by the strategy, not by the
+        # CheckpointIO: in full.
         sharded = fresh and Path(self._last_checkpoint_saved).is_dir()
         if self.save_last is not True or not fresh or sharded or not hasattr(io, "link_checkpoint"):
             super()._save_last_checkpoint(trainer, monitor_candidates)

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics.classification import MulticlassConfusionMatrix, MultilabelStatScores
 
-from training.figures import (
+from training.records.figures import (
     figure_to_array,
     misclassified_grid,
     per_class_chart,

@@ -8,8 +8,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 
-from training.run_dir import WANDB_RUN_ID_FILE, data_summary, git_state, hardware_summary
-from training.secrets import redact_secrets, redact_values
+from training.records.run_dir import WANDB_RUN_ID_FILE, data_summary, git_state, hardware_summary
+from training.records.secrets import redact_secrets, redact_values
 
 
 class RunConfig(SaveConfigCallback):

@@ -157,7 +157,7 @@ def check_keys(sweep: Sweep) -> None:
 
     `imgcls fit --print_config` in this process, which has imported the CLI already (`imgcls sweep` is one of its
     commands): a second interpreter would import torch and Lightning again for a parse."""
-    from training.cli import cli_main
+    from training.cli.app import cli_main
 
     sample = {k: p["value"] if "value" in p else (p["values"][0] if "values" in p else p.get("min"))
               for k, p in sweep.parameters.items()}

@@ -72,7 +72,7 @@ def check_model_path(path: str | Path, threshold: float | None) -> None:
         return
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass a model folder of imgcls publish or a checkpoint")
-    from training.publish import read_run
+    from deploy.publish import read_run
 
     saved, _, _ = read_run(path)
     if saved.model.get("multilabel") and threshold is None:
@@ -88,7 +88,7 @@ def load_served(path: str | Path, threshold: float | None = None) -> Served:
         model = ImageClassifier.from_pretrained(path, threshold=threshold)
         contract = model.input_contract
     else:
-        from training.export import load_for_export
+        from deploy.export import load_for_export
 
         model, contract = load_for_export(path)
         if threshold is not None:
@@ -369,7 +369,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from training.checkpointing import UnsafeCheckpointError
+    from training.resume.checkpoints import UnsafeCheckpointError
 
     try:
         check_model_path(args.model, args.threshold)

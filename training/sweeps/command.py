@@ -16,7 +16,7 @@ database's heartbeat when another worker may still run them; a journal has none,
 worker is retried by the next sweep that is alone on that journal). At the end a table sorted by the metric is
 printed and `<out>/best.yaml` is written: `imgcls fit --config <out>/best.yaml` reruns the best trial.
 
-The sweep file's schema is in training/sweep_file.py, one trial's process in training/sweep_trial.py.
+The sweep file's schema is in training/sweeps/space.py, one trial's process in training/sweeps/trial.py.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import yaml
 
-from training.sweep_file import Sweep, SweepFileError, check_keys, load_sweep, make_pruner, make_sampler
-from training.sweep_trial import TrialFailed, open_storage, run_trial, storage_file
+from training.sweeps.space import Sweep, SweepFileError, check_keys, load_sweep, make_pruner, make_sampler
+from training.sweeps.trial import TrialFailed, open_storage, run_trial, storage_file
 
 # ---- the study --------------------------------------------------------------------------------------------------
 

@@ -121,9 +121,3 @@ def relative_to_cwd(path: str | os.PathLike) -> str:
 
 def format_score(score) -> str:
     return f"{float(score):.4f}" if score is not None else "-"
-
-
-def __getattr__(name: str):
-    from training.faults import moved_callback
-
-    return moved_callback(__name__, name, ('RunConfig',))

@@ -111,7 +111,7 @@ class AsyncAtomicCheckpointIO(CheckpointIO):
     so ModelCheckpoint never deletes an older checkpoint before the one that replaces it is on disk. Pending writes
     are finished when the Trainer tears down (the end of fit, an exception, a preemption exit); an error in one is
     raised at the next save or at teardown. Opt in with
-    `trainer.plugins: training.checkpointing.AsyncAtomicCheckpointIO`; the CLI's default is the synchronous
+    `trainer.plugins: training.resume.checkpoints.AsyncAtomicCheckpointIO`; the CLI's default is the synchronous
     AtomicCheckpointIO (on a 2-core CPU the background writer competed with the compute threads and a run took longer).
     """
 
@@ -208,7 +208,8 @@ def checkpoint_problem(path: Path) -> str | None:
     """Why `path` is not a usable checkpoint (empty, truncated, corrupt), or None when it is intact.
 
     torch.save writes a zip archive; checking every member's CRC finds truncation and bit rot without unpickling. A
-    folder is a sharded checkpoint (training.fsdp): its shard index `.metadata` and its `meta.pt` must be intact.
+    folder is a sharded checkpoint (training.distributed.fsdp): its shard index `.metadata` and its `meta.pt` must
+    be intact.
     """
     if path.is_dir():
         if not (path / ".metadata").is_file():
@@ -326,7 +327,7 @@ def agree_on_resume(path: str | None) -> str | None:
 
 
 # A write that a kill interrupted leaves `.<name>.tmp<pid>` (AtomicCheckpointIO._replace; a folder from
-# training.fsdp, or its `.<name>.old<pid>` between two renames): as big as a checkpoint.
+# training.distributed.fsdp, or its `.<name>.old<pid>` between two renames): as big as a checkpoint.
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)\d+$")
 
 
@@ -351,9 +352,3 @@ def tidy_checkpoint_folders(folders, unusable=()) -> None:
         if leftovers:
             rank_zero_info(f"removed {len(leftovers)} temporary file(s) ({size / 2**20:.0f} MiB) left in {folder} by "
                            "checkpoint writes that were interrupted")
-
-
-def __getattr__(name: str):
-    from training.faults import moved_callback
-
-    return moved_callback(__name__, name, ('ModelCheckpoint',))

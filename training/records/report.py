@@ -30,7 +30,7 @@ PLOTS = (
 
 def read_tensorboard(run_dir: Path) -> Series:
     """The run's scalars as TensorBoard shows them: its event files read in order as one, a resumed fit's session
-    start hiding what an earlier process logged at its steps and later (training/loggers.py)."""
+    start hiding what an earlier process logged at its steps and later (training/records/loggers.py)."""
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
     acc = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})  # 0 = keep every point

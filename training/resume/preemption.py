@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from training.faults import PREEMPT_SIGNALS, PREEMPTED, checkpoint_dir
+from training.resume.faults import PREEMPT_SIGNALS, PREEMPTED, checkpoint_dir
 
 
 class Preemption(Callback):
@@ -53,8 +53,8 @@ class Preemption(Callback):
             self._work.wait()  # every rank started it; none leaves it dangling
             self._work = None
         if self._group is not None:
-            # Freed now with its worker threads, not at interpreter shutdown (training.strategy.destroy_process_groups);
-            # the next fit makes a new one.
+            # Freed now with its worker threads, not at interpreter shutdown
+            # (training.distributed.strategy.destroy_process_groups); the next fit makes a new one.
             if dist.is_initialized():  # else destroyed with all the others already
                 dist.destroy_process_group(self._group)
             self._group = None

@@ -1,4 +1,4 @@
-"""What the fault guards share (their callbacks are in training.callbacks): the preemption checkpoint's name, a
+"""What the fault guards share (their callbacks are beside, in training/resume/): the preemption checkpoint's name, a
 sampler's epoch, the run's checkpoints, and the one-line message for a lost peer."""
 
 from __future__ import annotations
@@ -66,19 +66,6 @@ def lost_peer_message(err: BaseException) -> str | None:
 
 def fault_callbacks() -> list[Callback]:
     """The fault guards the CLI adds to every run, after the configured callbacks."""
-    from training.callbacks import CurvesAcrossResumes, ExactResume, NonFiniteLossGuard, Preemption
+    from training.resume import CurvesAcrossResumes, ExactResume, NonFiniteLossGuard, Preemption
 
     return [ExactResume(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes()]
-
-
-def __getattr__(name: str):
-    return moved_callback(__name__, name, ("ExactResume", "Preemption", "NonFiniteLossGuard"))
-
-
-def moved_callback(module: str, name: str, moved: tuple[str, ...]):
-    """A callback class that moved to training.callbacks, for old class_paths (`training.callbacks.ExactResume`)."""
-    if name in moved:
-        import training.callbacks
-
-        return getattr(training.callbacks, name)
-    raise AttributeError(f"module {module!r} has no attribute {name!r}")

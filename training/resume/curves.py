@@ -1,5 +1,5 @@
 """CurvesAcrossResumes: tells a fit's loggers where it starts and which steps its checkpoints cover, so that the
-run's curves stay whole and show each step once across resumes and kills (training/loggers.py)."""
+run's curves stay whole and show each step once across resumes and kills (training/records/loggers.py)."""
 
 from __future__ import annotations
 

@@ -115,9 +115,3 @@ def publish(trainer: Trainer, tag: str, image: np.ndarray, step: int | None = No
     out = Path(trainer.default_root_dir) / "figures"
     out.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image).save(out / f"{tag.split('/')[-1]}.png")
-
-
-def __getattr__(name: str):
-    from training.faults import moved_callback
-
-    return moved_callback(__name__, name, ('ValidationFigures',))

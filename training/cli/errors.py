@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 
 from datamodules.datasets import UnreadableImageError
-from training.checkpointing import CheckpointWriteError, UnsafeCheckpointError
-from training.faults import NonFiniteLossError, lost_peer_message
+from training.resume.checkpoints import CheckpointWriteError, UnsafeCheckpointError
+from training.resume.faults import NonFiniteLossError, lost_peer_message
 
 # Errors caused by what the user gave us (config values, files, folders, a source whose extra is not installed),
 # reported in one line without a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError, UnsafeCheckpointError,
                NonFiniteLossError, CheckpointWriteError)
-_PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("datamodules", "lightning_modules",
-                                                                             "training"))
+_PACKAGES = tuple(str(Path(__file__).resolve().parents[2] / pkg) for pkg in ("core", "datamodules", "lightning_modules",
+                                                                             "training", "deploy"))
 
 
 def exit_code(err: BaseException) -> int | None:

@@ -4,26 +4,22 @@
     imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
 
 What the CLI adds that no config file shows (`--print_config` does not list these):
-- the fault guards on every run, after the configured callbacks: `training.callbacks.ExactResume`, `Preemption` and
+- the fault guards on every run, after the configured callbacks: `training.resume.ExactResume`, `Preemption` and
   `NonFiniteLossGuard` (docs/FAULT_TOLERANCE.md);
-- `training.checkpointing.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a CheckpointIO;
+- `training.resume.checkpoints.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a
+  CheckpointIO;
 - `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;
 - `training.callbacks.RunConfig`, which saves the resolved config into the run directory;
-- Lightning's TensorBoard, CSV and W&B loggers built as their resumable classes in training/loggers.py, with
+- Lightning's TensorBoard, CSV and W&B loggers built as their resumable classes in training/records/loggers.py, with
   `CurvesAcrossResumes` among the fault guards (one curve across resumes and kills);
 - the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
   `auto_resume`.
 The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
 `datamodules.ImageFolderDataModule`; docs/EXTENDING.md, "Data source").
-The run directory and the closing summary are in training/run_dir.py, error reporting in training/errors.py.
+The run directory and the closing summary are in training/records/run_dir.py, error reporting in training/cli/errors.py.
 """
 
 from __future__ import annotations
-
-if __name__ == "__main__":  # `python -m training.cli`: its imports without the cyclic collector (training/startup.py)
-    from training.startup import begin, done
-
-    begin()
 
 import difflib
 import importlib
@@ -50,15 +46,18 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
+from deploy.publish import published_run
 from lightning_modules import ImageClassifier
 from lightning_modules.network import net_weights, without_pretrained_weights
 from lightning_modules.pretrained import is_model_folder, load_network_weights, network_kwargs_of
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
 from training.callbacks import PredictionWriter, RunConfig
-from training.checkpointing import AtomicCheckpointIO, ResumePlan, resolve_resume
-from training.errors import exit_code
-from training.faults import fault_callbacks
-from training.from_checkpoint import (
+from training.cli.errors import exit_code
+from training.cli.preflight import check_monitored
+from training.distributed.strategy import destroy_process_groups
+from training.records.loggers import LoggerInstantiator, wandb_online
+from training.records.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, metrics_table, run_dir
+from training.records.saved_run import (
     ClassMismatchError,
     NoCheckpointError,
     SavedRun,
@@ -72,22 +71,19 @@ from training.from_checkpoint import (
     explicit_keys,
     set_by_user,
 )
-from training.loggers import LoggerInstantiator, wandb_online
-from training.preflight import check_monitored
-from training.publish import published_run
-from training.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, metrics_table, run_dir
-from training.strategy import destroy_process_groups
+from training.resume.checkpoints import AtomicCheckpointIO, ResumePlan, resolve_resume
+from training.resume.faults import fault_callbacks
 from training.trainer import Trainer
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
 EXTRA_COMMANDS = {
     "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
     "prepare-data": ("datamodules.shards", "convert an image folder into LitData shards (ShardsDataModule)"),
-    "sweep": ("training.sweep", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
-    "report": ("training.report", "write PNG curves and a Markdown summary of a run from its logs"),
-    "export": ("training.export", "export a checkpoint to ONNX or TorchScript for deployment"),
-    "publish": ("training.publish", "write a checkpoint as a model folder in the Hugging Face Hub's layout"),
-    "serve": ("training.serve", "serve a model folder or checkpoint over HTTP with LitServe (dynamic batching)"),
+    "sweep": ("training.sweeps.command", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
+    "report": ("training.records.report", "write PNG curves and a Markdown summary of a run from its logs"),
+    "export": ("deploy.export", "export a checkpoint to ONNX or TorchScript for deployment"),
+    "publish": ("deploy.publish", "write a checkpoint as a model folder in the Hugging Face Hub's layout"),
+    "serve": ("deploy.serve", "serve a model folder or checkpoint over HTTP with LitServe (dynamic batching)"),
 }
 
 DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__name__}"
@@ -427,7 +423,7 @@ class ImgclsCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
-        # CheckpointIO (e.g. training.checkpointing.AsyncAtomicCheckpointIO: the same, written in the background).
+        # CheckpointIO (e.g. training.resume.checkpoints.AsyncAtomicCheckpointIO: the same, written in the background).
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         plugins = (config.get("trainer") or {}).get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
@@ -496,7 +492,7 @@ class _ModelInstantiator(_InstantiatorFn):
 class _DataInstantiator(_InstantiatorFn):
     """The classes of a command run from a checkpoint are the checkpoint's: `predict` takes them whatever the data
     folder holds (with `data.root: null` there is none), `validate` and `test` check the folder's against them, and a
-    resumed fit checks that the data is its run's (training.from_checkpoint)."""
+    resumed fit checks that the data is its run's (training.records.saved_run)."""
 
     def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
         datamodule = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
@@ -581,8 +577,8 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
         destroy_process_groups()
         raise
     # The run is over on every rank: its process groups go now, not at interpreter shutdown, where a gloo worker
-    # thread still releasing the last collective aborts the process (training.strategy.destroy_process_groups). Not
-    # after any other exception: a collective still waiting for a lost peer would hold that up until the timeout.
+    # thread still releasing the last collective aborts the process (destroy_process_groups). Not after any other
+    # exception: a collective still waiting for a lost peer would hold that up until the timeout.
     destroy_process_groups()
     return cli
 
@@ -600,7 +596,3 @@ def main(argv: list[str] | None = None) -> None:
         if code is None:
             raise
         sys.exit(code)
-
-if __name__ == "__main__":
-    done()
-    main()

@@ -33,8 +33,8 @@ from lightning_modules.pretrained import (
     network_spec,
     read_config,
 )
-from training.from_checkpoint import SavedRun, run_folder
-from training.secrets import redact_secrets, redact_values
+from training.records.saved_run import SavedRun, run_folder
+from training.records.secrets import redact_secrets, redact_values
 
 CARD_FILE = "README.md"
 TRAINING_CONFIG = "training_config.yaml"
@@ -57,7 +57,8 @@ def read_run(ckpt_path: str | Path) -> tuple[SavedRun, dict[str, torch.Tensor], 
     ckpt_path = Path(ckpt_path)
     if ckpt_path.is_dir():
         raise ValueError(f"--ckpt_path {ckpt_path} is a sharded checkpoint (a folder); make one file of it first: "
-                         f"python -m training.fsdp {ckpt_path} {ckpt_path.with_name(ckpt_path.stem + '-full.ckpt')}")
+                         f"python -m training.distributed.fsdp {ckpt_path} "
+                         f"{ckpt_path.with_name(ckpt_path.stem + '-full.ckpt')}")
     if not ckpt_path.is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist; pass a checkpoint of imgcls fit, e.g. "
                                 "RUN/checkpoints/last.ckpt")
@@ -148,7 +149,7 @@ def training_config(saved: SavedRun, run: Path) -> str:
 
 def run_metrics(run: Path, step: int) -> dict[str, float]:
     """The last value of each val/* metric logged at or before `step` (the checkpoint's), from the run's logs."""
-    from training.report import read_run as read_logs
+    from training.records.report import read_run as read_logs
 
     try:
         series = read_logs(run)
@@ -312,7 +313,8 @@ def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
         lines.append("Weakest classes on validation (F1): " + ", ".join(f"{n} ({seen[n]:.3f})" for n in weak)
                      + ".")
     else:
-        lines.append("Per-class validation figures were not recorded (training.figures.ValidationFigures writes them).")
+        lines.append("Per-class validation figures were not recorded (training.callbacks.ValidationFigures "
+                     "writes them).")
     contract = config["preprocessing"]
     lines += ["", "## Preprocessing", "",
               f"8-bit RGB; {contract['preset']} preset: " + (f"resize the short side to {contract['resize_size']}, "
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, help="multi-label models: predict a class at or above this")
     parser.add_argument("--overwrite", action="store_true", help="replace the model files of an existing OUT_DIR")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    from training.checkpointing import UnsafeCheckpointError
+    from training.resume.checkpoints import UnsafeCheckpointError
 
     try:
         out = publish(args.ckpt_path, args.out_dir, threshold=args.threshold, overwrite=args.overwrite)

@@ -12,7 +12,7 @@ curve shows it once, from this fit (docs/FAULT_TOLERANCE.md, "Logs across a resu
 
 Every row Lightning logs during a fit carries the number of optimizer steps done before it (the train loss and the
 learning rate of a batch, the validation that follows it), and a checkpoint at global step N covers every row below N.
-`training.callbacks.CurvesAcrossResumes`, which every run carries, tells the loggers both.
+`training.resume.CurvesAcrossResumes`, which every run carries, tells the loggers both.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
-from training.run_dir import WANDB_RUN_ID_FILE, run_dir
-from training.secrets import redact_secrets
+from training.records.run_dir import WANDB_RUN_ID_FILE, run_dir
+from training.records.secrets import redact_secrets
 
 
 class _KeptMetrics(ExperimentWriter):

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
-from training.checkpointing import UnsafeCheckpointError, checkpoint_problem, newest_intact_checkpoint, unsafe_message
+from training.resume.checkpoints import (
+    UnsafeCheckpointError,
+    checkpoint_problem,
+    newest_intact_checkpoint,
+    unsafe_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,8 @@ class SavedRun:
     @classmethod
     def read(cls, path: str | Path) -> SavedRun:
         path = Path(path)
-        file = path / "meta.pt" if path.is_dir() else path  # training.fsdp keeps everything but the shards there
+        # training.distributed.fsdp keeps everything but the shards there
+        file = path / "meta.pt" if path.is_dir() else path
         try:
             # mmap: the tensors stay on disk; only the small Python parts are read.
             ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=True)

@@ -16,8 +16,8 @@ its loggers a console handler of their own and stops them propagating; where it 
 library imported first that configured logging), it leaves the lines to the root logger's handlers, in their format,
 and its `lightning` logger prints each a second time as "INFO: ...". `console` makes the first case the only one.
 
-`imgcls` (the console script) runs `main` here; `python -m training.cli` calls `begin` and `done` around its own
-imports. Code that imports `training.cli` as a library (tests, notebooks) is left alone.
+`imgcls` (the console script) and `python -m training.cli` (__main__.py) run `main` here, `begin` and `done` around the
+imports. Code that imports `training.cli.app` as a library (tests, notebooks) is left alone.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> None:
     """The `imgcls` console script."""
     begin()
     try:
-        from training.cli import main as cli
+        from training.cli.app import main as cli
     finally:
         done()
     cli()

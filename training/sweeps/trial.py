@@ -1,7 +1,7 @@
 """One sweep trial: `run_trial` runs it as an `imgcls fit` process, and the callback in that process reports to the
 study.
 
-    python -m training.sweep_trial fit <the trial's arguments>     # what run_trial starts, $IMGCLS_SWEEP_TRIAL set
+    python -m training.sweeps.trial fit <the trial's arguments>     # what run_trial starts, $IMGCLS_SWEEP_TRIAL set
 
 Both ends open the study from the same storage URL (`open_storage`): an SQLAlchemy URL, or `journal:///<path>` for an
 Optuna journal file.
@@ -17,10 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from training.sweep_file import Sweep, make_pruner, suggest, trial_args
+from training.sweeps.space import Sweep, make_pruner, suggest, trial_args
 
 TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial number, metric, pruner
-TRIAL_COMMAND = [sys.executable, "-m", "training.sweep_trial"]  # the trial process, before `fit <arguments>`
+TRIAL_COMMAND = [sys.executable, "-m", "training.sweeps.trial"]  # the trial process, before `fit <arguments>`
 # optuna-integration's private protocol for a trainer in another process: where it leaves each epoch's metric and its
 # pruning decision (tests/test_internals.py holds these to the integration's own names).
 INTERMEDIATE_KEY, PRUNED_KEY, EPOCH_KEY = "ddp_pl:intermediate_value", "ddp_pl:pruned", "ddp_pl:epoch"
@@ -143,7 +143,7 @@ def trial_callback():
 
 def main(argv: list[str] | None = None) -> None:
     """Inside a trial process: `imgcls fit` with the callback that reports to the study."""
-    from training.cli import cli_main
+    from training.cli.app import cli_main
 
     cli_main(sys.argv[1:] if argv is None else list(argv), trainer_defaults={"callbacks": [trial_callback()]})
 

@@ -2,7 +2,7 @@
 
     trainer:
       strategy:
-        class_path: training.strategy.CompressedDDPStrategy
+        class_path: training.distributed.strategy.CompressedDDPStrategy
         init_args: {compression: powersgd, powersgd: {rank: 4}}
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training.faults import NonFiniteLossError, last_good_checkpoint
+from training.resume.faults import NonFiniteLossError, last_good_checkpoint
 
 
 class NonFiniteLossGuard(Callback):

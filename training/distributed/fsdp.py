@@ -2,7 +2,7 @@
 sharded across the processes, on GPUs (NCCL) and on CPUs (gloo), with atomic sharded checkpoints.
 
     imgcls fit --config configs/imagenet_ddp8.yaml --config configs/fsdp.yaml --data.root /datasets/my_images
-    python -m training.fsdp runs/x/checkpoints/last.ckpt last-full.ckpt   # one file, for predict and export
+    python -m training.distributed.fsdp runs/x/checkpoints/last.ckpt last-full.ckpt   # one file, for predict and export
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from training.checkpointing import AtomicCheckpointIO, NonFiniteWeightsError, _fsync_dir, checkpoint_problem, safe_load
+from training.resume.checkpoints import (
+    AtomicCheckpointIO,
+    NonFiniteWeightsError,
+    _fsync_dir,
+    checkpoint_problem,
+    safe_load,
+)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -268,5 +274,5 @@ def consolidate(folder, out) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m training.fsdp SHARDED_CHECKPOINT_FOLDER OUT.ckpt")
+        sys.exit("usage: python -m training.distributed.fsdp SHARDED_CHECKPOINT_FOLDER OUT.ckpt")
     print(f"wrote {consolidate(sys.argv[1], sys.argv[2])}")

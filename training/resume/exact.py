@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
 from core.seeding import batch_seed
-from training.faults import PREEMPTED, set_sampler_epoch
+from training.resume.faults import PREEMPTED, set_sampler_epoch
 
 
 class ExactResume(Callback):
