@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -147,6 +148,20 @@ def fit_run(config: Path, run: Path, *extra: str, check: bool = True) -> subproc
     a killed run's port can stay busy for a while)."""
     return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(run), *extra, check=check,
                    env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
+
+
+def unavailable(reason: str):
+    """A service a test needs (a SLURM cluster, a database server) cannot be had here: skipped with `reason` on a
+    developer's machine, failed under CI (CI=true), where `.ci/run` provides every service and a skip would pass a
+    test that never ran."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{reason} (CI=true: a test CI cannot run fails)", pytrace=False)
+    pytest.skip(reason)
+
+
+def printed_metrics(stdout: str) -> dict[str, float]:
+    """The metric table Lightning prints after validate/test."""
+    return {k: float(v) for k, v in re.findall(r"│\s*([a-z_]+/[a-z0-9_]+)\s*│\s*([-+0-9.e]+)\s*│", stdout)}
 
 
 def last_weights(run: Path, key: str = "state_dict") -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 from pathlib import Path
 
@@ -178,8 +179,12 @@ def test_production_config_runs_one_batch_on_cpu(tmp_path):
                    "--data.num_workers", "0", "--data.batch_size", "4", "--data.image_size", "64",
                    # compile: auto leaves a CPU eager; forced here, so that the config's compiled step runs once in CI.
                    "--model.levers.compile", "true",
+                   "--trainer.callbacks+=tests.compile_probe.CompiledGraphs",
+                   "--trainer.callbacks.out", str(tmp_path / "compiled.json"),
                    "--trainer.default_root_dir", str(tmp_path / "run"), env=cli_env(TORCH_HOME=str(tmp_path / "torch")))
     assert "compile on (set in the config)" in proc.stdout + proc.stderr
+    compiled = json.loads((tmp_path / "compiled.json").read_text())
+    assert compiled["graphs"] >= 1 and compiled["frames"] >= 1, compiled  # a compiled step ran, not only the lever
     # precision: auto resolves from this CPU (32-true without native bf16, bf16-mixed with it), and says why.
     expected, why = hardware.choose_precision(hardware.detect(), "cpu")
     assert f"precision: {expected} ({why})" in proc.stderr + proc.stdout

@@ -54,7 +54,7 @@ def csv_root(tmp_path_factory, digits_root) -> Path:
 def hf_root(tmp_path_factory, digits_root) -> Path:
     """A DatasetDict saved with save_to_disk: train and test splits (no validation: val_split of train is held
     out), an Image column and a ClassLabel column, built here from the digits' files (nothing downloaded)."""
-    datasets = pytest.importorskip("datasets")
+    import datasets  # the dev extra installs it: a broken install fails here, never skips
     splits = {}
     for split in ("train", "test"):
         files = _digit_files(digits_root, split)
@@ -185,7 +185,8 @@ def test_data_format_names_its_new_place_in_one_line():
 
 
 def test_hugging_face_reads_a_folder_of_images_with_its_imagefolder_builder(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # the dev extra installs it: a broken install fails here, never skips
+
     from datamodules import HFDataModule
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))  # not the user's cache

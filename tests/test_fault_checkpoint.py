@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -346,8 +347,10 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint(tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("imgcls: error: training loss is nan at step") or "loss is inf" in line, line
-    assert "last good checkpoint: " + str(run / "checkpoints") in line
-    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+    named = Path(re.search(r"last good checkpoint: (\S+?)\. ", line).group(1))
+    saved = sorted((run / "checkpoints").glob("*.ckpt"))
+    assert named in saved, (named, saved)  # the run saved before the loss turned, and names what it saved
+    for ckpt in saved:
         state = torch.load(ckpt, weights_only=True)["state_dict"]
         weights = {k: v for k, v in state.items() if k.startswith("net.") and v.is_floating_point()}
         assert weights and all(torch.isfinite(v).all() for v in weights.values()), ckpt

@@ -9,7 +9,6 @@ differ from the run in every way that used to pass in silence.
 from __future__ import annotations
 
 import csv
-import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import CONFIGS, TINY, run_cli
+from tests.helpers import CONFIGS, TINY, printed_metrics, run_cli
 from training.records.report import read_tensorboard
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -66,11 +65,6 @@ def best_of(run: Path) -> tuple[Path, float]:
     state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["callbacks"]
     best = next(s for k, s in state.items() if k.startswith("ModelCheckpoint") and s.get("monitor") == "val/acc")
     return Path(best["best_model_path"]), float(best["best_model_score"])
-
-
-def printed_metrics(stdout: str) -> dict[str, float]:
-    """The metric table Lightning prints after validate/test."""
-    return {k: float(v) for k, v in re.findall(r"│\s*([a-z_]+/[a-z0-9_]+)\s*│\s*([-+0-9.e]+)\s*│", stdout)}
 
 
 def error_line(proc) -> str:

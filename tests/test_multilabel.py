@@ -116,10 +116,16 @@ def test_the_loss_and_metrics_are_per_label():
 
 
 def test_per_class_scores_from_counts_agree_with_the_confusion_matrix():
-    matrix = np.array([[5, 1, 0], [2, 3, 1], [0, 0, 4]])
-    tp = np.diag(matrix)
-    np.testing.assert_allclose(per_class_scores(matrix),
-                               scores_from_counts(tp, matrix.sum(0) - tp, matrix.sum(1) - tp))
+    """Against scikit-learn's own precision, recall and F1 of the predictions the matrix counts (a class never
+    predicted scores 0, as torchmetrics' average=None does)."""
+    from sklearn.metrics import precision_recall_fscore_support
+
+    matrix = np.array([[5, 1, 0], [2, 3, 1], [0, 0, 4], [1, 0, 0]])[:, :3]  # class 3 (row 4) is never predicted
+    matrix = np.pad(matrix, ((0, 0), (0, 1)))
+    truth = np.repeat(np.arange(4), matrix.sum(1))
+    predicted = np.concatenate([np.repeat(np.arange(4), row) for row in matrix])
+    expected = np.stack(precision_recall_fscore_support(truth, predicted, labels=range(4), zero_division=0), axis=1)
+    np.testing.assert_allclose(per_class_scores(matrix), expected)
     scores = scores_from_counts(np.array([3, 0]), np.array([1, 0]), np.array([0, 2]))
     np.testing.assert_allclose(scores, [[0.75, 1.0, 6 / 7, 3], [0, 0, 0, 2]])
 

@@ -2,8 +2,8 @@
 `scancel -s USR1` preempts it, the script requeues it, and the requeued job ends with an uninterrupted run's weights.
 
 Needs root: to run the daemons, and to install Debian's packages with apt-get where they are missing (their .deb files
-stay in apt's cache for the next install); elsewhere the test skips, naming what is missing. The daemons it starts
-read no file in /etc: their config, key, state and logs are in the test's folders, on ports of their own, and they
+stay in apt's cache for the next install); elsewhere the test skips, naming what is missing (under CI=true it fails
+instead). The daemons it starts read no file in /etc: their config, key, state and logs are in the test's folders, on ports of their own, and they
 are stopped when the test ends, passed or failed.
 """
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, max_diff, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, max_diff, run_cli, unavailable
 
 SCRIPT = ROOT / "docs" / "examples" / "slurm.sbatch"
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")  # Debian's; bookworm ships SLURM 22.05
@@ -97,7 +97,7 @@ def _install_slurm() -> None:
         return
     what = f"SLURM is not installed ({', '.join(missing)} not found)"
     if shutil.which("apt-get") is None:
-        pytest.skip(f"{what} and there is no apt-get to install {' '.join(PACKAGES)}")
+        unavailable(f"{what} and there is no apt-get to install {' '.join(PACKAGES)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # A failed update (no network) may still leave lists that match the cached .deb files.
     subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=180)
@@ -105,7 +105,7 @@ def _install_slurm() -> None:
                            "-o", "APT::Keep-Downloaded-Packages=true", *PACKAGES],
                           env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        pytest.skip(f"{what} and `apt-get install {' '.join(PACKAGES)}` failed (exit {proc.returncode}): "
+        unavailable(f"{what} and `apt-get install {' '.join(PACKAGES)}` failed (exit {proc.returncode}): "
                     f"{(proc.stderr or proc.stdout).strip()[-500:]}")
 
 
@@ -235,7 +235,7 @@ def _processes_with(variable: str) -> list[tuple[int, str]]:
 def slurm(tmp_path):
     """A one-node SLURM cluster of TASKS CPUs, up for one test; stopped afterwards, also when the test fails."""
     if os.geteuid() != 0:
-        pytest.skip(f"SLURM's daemons (munged, slurmctld, slurmd) need root and apt-get to install them; "
+        unavailable(f"SLURM's daemons (munged, slurmctld, slurmd) need root and apt-get to install them; "
                     f"running as uid {os.geteuid()}")
     _install_slurm()
     folder = tmp_path / "slurm"
