@@ -19,9 +19,9 @@ from torchmetrics.classification import (
     MultilabelExactMatch,
 )
 
+import lightning_modules.pretrained as pretrained
 from core import hardware
 from core.config_types import OpenUnitInterval, PositiveInt, check_arguments
-from lightning_modules import pretrained
 from lightning_modules.losses import for_multilabel
 from lightning_modules.network import (
     BackboneWithHead,

@@ -20,13 +20,13 @@ from tests.helpers import free_port, join_ranks, make_image_folder
 from training.callbacks import FreezeBackbone, ModelCheckpoint
 from training.distributed.fsdp import FSDP2Strategy, consolidate
 from training.distributed.strategy import CompressedDDPStrategy
+from training.resume import fault_callbacks
 from training.resume.checkpoints import (
     NonFiniteWeightsError,
     checkpoint_problem,
     resolve_resume,
     tidy_checkpoint_folders,
 )
-from training.resume.faults import fault_callbacks
 
 BLOCK = "torchvision.models.resnet.Bottleneck"
 ARCH = "resnet50"  # 25.6M parameters with the 1024 head: the kind of backbone FSDP is for, here at 32 px

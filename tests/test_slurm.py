@@ -3,8 +3,8 @@
 
 Needs root: to run the daemons, and to install Debian's packages with apt-get where they are missing (their .deb files
 stay in apt's cache for the next install); elsewhere the test skips, naming what is missing (under CI=true it fails
-instead). The daemons it starts read no file in /etc: their config, key, state and logs are in the test's folders, on ports of their own, and they
-are stopped when the test ends, passed or failed.
+instead). The daemons it starts read no file in /etc: their config, key, state and logs are in the test's folders,
+on ports of their own, and they are stopped when the test ends, passed or failed.
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ from training.records.saved_run import (
     explicit_keys,
     set_by_user,
 )
+from training.resume import fault_callbacks
 from training.resume.checkpoints import AtomicCheckpointIO, ResumePlan, resolve_resume
-from training.resume.faults import fault_callbacks
 from training.trainer import Trainer
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).

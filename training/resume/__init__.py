@@ -1,6 +1,6 @@
 """Resume and fault tolerance, in one room (docs/FAULT_TOLERANCE.md): the checkpoints a resume can trust and the one
 every rank loads (checkpoints.py), the exact continuation of a run (exact.py), the guards the CLI adds to every run
-(preemption.py, non_finite.py, curves.py; `fault_callbacks` in faults.py) and what they share (faults.py).
+(preemption.py, non_finite.py, curves.py; `fault_callbacks` below) and what they share (faults.py).
 
 The Lightning internals this room reads, each named with its reason in tests/test_internals.py's FENCE:
 - `FitLoop._combined_loader_states_to_load`, `FitLoop._data_fetcher` (exact.py): the restored loader position,
@@ -16,4 +16,9 @@ from training.resume.exact import ExactResume
 from training.resume.non_finite import NonFiniteLossGuard
 from training.resume.preemption import Preemption
 
-__all__ = ["CurvesAcrossResumes", "ExactResume", "NonFiniteLossGuard", "Preemption"]
+__all__ = ["CurvesAcrossResumes", "ExactResume", "NonFiniteLossGuard", "Preemption", "fault_callbacks"]
+
+
+def fault_callbacks() -> list:
+    """The fault guards the CLI adds to every run, after the configured callbacks."""
+    return [ExactResume(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes()]

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -62,10 +62,3 @@ def lost_peer_message(err: BaseException) -> str | None:
     return (f"rank {rank_zero_only.rank} lost contact with the other processes during a collective ({detail}): a "
             "peer crashed, was killed, or hung longer than trainer.strategy.timeout_s. Its own output names the "
             "cause; rerun the same command to resume from the last checkpoint (auto_resume)")
-
-
-def fault_callbacks() -> list[Callback]:
-    """The fault guards the CLI adds to every run, after the configured callbacks."""
-    from training.resume import CurvesAcrossResumes, ExactResume, NonFiniteLossGuard, Preemption
-
-    return [ExactResume(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes()]
