@@ -16,14 +16,13 @@ What the CLI adds that no config file shows (`--print_config` does not list thes
   `auto_resume`.
 The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
 `datamodules.ImageFolderDataModule`; docs/EXTENDING.md, "Data source").
-The run directory and the closing summary are in training/records/run_dir.py, error reporting in training/cli/errors.py.
+The run directory and the closing summary are in training/records/run_dir.py, one-line errors in training/cli/errors.py
+(parse errors: parse_errors.py).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
-import re
 import sys
 import warnings
 from argparse import RawDescriptionHelpFormatter
@@ -32,7 +31,6 @@ from pathlib import Path
 import yaml
 from jsonargparse import (
     ArgumentError,
-    ArgumentParser,
     DefaultHelpFormatter,
     Namespace,
     set_dumper,
@@ -44,7 +42,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _Instan
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
-from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
 from deploy.publish import published_run
 from lightning_modules import ImageClassifier
@@ -53,6 +50,7 @@ from lightning_modules.pretrained import is_model_folder, load_network_weights, 
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
 from training.callbacks import PredictionWriter, RunConfig
 from training.cli.errors import exit_code
+from training.cli.parse_errors import OneLineErrorParser
 from training.cli.preflight import check_monitored
 from training.distributed.strategy import destroy_process_groups
 from training.records.loggers import LoggerInstantiator, wandb_online
@@ -114,161 +112,6 @@ set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_fl
 
 class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
     """Keeps the line breaks of the epilog that lists the extra commands."""
-
-
-class _ArgumentParser(LightningArgumentParser):
-    """Every parse error is one line: a value out of its range or choices as the model and data word it
-    (`data.image_size=16 is below 32`), and a misspelt key with the closest valid ones (not a page of usage)."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        message = unknown_keys_message(one_line_error(message), self)
-        if not self.exit_on_error:  # jsonargparse trying an alternative: it catches this
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        command = " ".join(["imgcls", *parser.prog.replace(" [options]", "").split()[1:]])
-        print(f"imgcls: error: {message} (`{command} --help` lists every option)", file=sys.stderr)
-        sys.exit(2)
-
-
-# Keys and values that moved when a part became a seam (a class_path), and where they went: one line each.
-MOVED_KEYS = {
-    "model.label_smoothing": "model.loss.label_smoothing (an argument of the loss: torch.nn.CrossEntropyLoss or "
-                             "lightning_modules.losses.BinaryCrossEntropy)",
-    "model.bce_target_threshold": "model.loss.target_threshold, with --model.loss "
-                                  "lightning_modules.losses.BinaryCrossEntropy",
-    "model.lr": "model.optimizer.lr (an argument of the optimizer, per 256 images)",
-    "model.momentum": "model.optimizer.momentum (SGD; AdamW and LAMB: model.optimizer.betas)",
-    "model.nesterov": "model.optimizer.nesterov (an argument of torch.optim.SGD)",
-    "model.weight_decay": "model.optimizer.weight_decay (an argument of the optimizer)",
-    "model.warmup_epochs": "model.lr_scheduler.warmup_epochs, with --model.lr_scheduler "
-                           "lightning_modules.schedules.WarmupCosine",
-    **{f"data.{key}": f"data.train_transform.{new} (an argument of the training transform, "
-                      "datamodules.presets.ClassificationPresetTrain)"
-       for key, new in (("train_image_size", "image_size"), ("auto_augment", "auto_augment"),
-                        ("auto_augment_magnitude", "auto_augment_magnitude"), ("random_erasing", "random_erasing"))},
-    **{f"data.{key}": f"data.eval_transform.{new} (an argument of the evaluation transform, "
-                      "datamodules.presets.ClassificationPresetEval)"
-       for key, new in (("eval_image_size", "image_size"), ("eval_resize_size", "resize_size"))},
-    **{f"model.{key}": f"model.net.{key} (an argument of the network, lightning_modules.network.BackboneWithHead)"
-       for key in ("arch", "weights", "head_hidden", "dropout")},
-    "model.lr_scaling": "model.recipe.lr_scaling",
-    "model.decay_norms_and_biases": "model.recipe.decay_norms_and_biases",
-    "model.mixup_alpha": "model.recipe.mixup_alpha",
-    "model.cutmix_alpha": "model.recipe.cutmix_alpha",
-    "model.backbone_lr_ratio": "model.recipe.backbone_lr_ratio",
-    "model.channels_last": "model.levers.channels_last",
-    "model.compile": "model.levers.compile",
-    "model.optimizer_impl": "model.levers.optimizer_impl",
-    "model.freeze_backbone_epochs": "trainer.callbacks+=training.callbacks.FreezeBackbone --trainer.callbacks.epochs N "
-                                    "(freezing is a callback)",
-    "data.format": "data.class_path: the data source is a class (LitData shards: --data.class_path "
-                   "datamodules.ShardsDataModule; the image folder, datamodules.ImageFolderDataModule, is the "
-                   "default: drop data.format folder)",
-}
-MOVED_VALUES = {
-    ("model.loss", "ce"): "torch.nn.CrossEntropyLoss",
-    ("model.loss", "bce"): "lightning_modules.losses.BinaryCrossEntropy",
-    ("model.optimizer", "sgd"): "torch.optim.SGD",
-    ("model.optimizer", "adamw"): "torch.optim.AdamW",
-    ("model.optimizer", "lamb"): "timm.optim.Lamb",
-}
-
-
-def moved_value_message(message: str) -> str | None:
-    """`--model.loss bce` (a name that is now a class_path): one line naming the class to give instead."""
-    key = re.match(r'Parser key "([^"]+)":', message)
-    value = re.search(r"Given value: (\S+)\s*$", message)
-    new = MOVED_VALUES.get((key.group(1), value.group(1))) if key and value else None
-    return f"{key.group(1)}={value.group(1)} moved: give the class, --{key.group(1)} {new}" if new else None
-
-
-def unknown_keys_message(message: str, parser) -> str:
-    """jsonargparse's `unrecognized arguments: --model.lrr 0.1` with, for each unknown key, the closest valid ones; and
-    a moved key that argparse took for an abbreviation (`ambiguous option: --model.lr could match ...`)."""
-    ambiguous = re.match(r"ambiguous option: --([^\s=]+)", message)
-    if ambiguous and ambiguous.group(1) in MOVED_KEYS:
-        return f"--{ambiguous.group(1)} moved to --{MOVED_KEYS[ambiguous.group(1)]}"
-    if not message.startswith("unrecognized arguments:"):
-        return message
-    unknown = [t.split("=")[0].lstrip("-") for t in message.split(":", 1)[1].split() if t.startswith("--")]
-    try:
-        known = [k for k in parser.get_defaults().keys() if not k.startswith("__")]
-    except Exception:  # noqa: BLE001 - only a hint: the message stands without it
-        return message
-    hints = []
-    for key in unknown:
-        if key in MOVED_KEYS:
-            hints.append(f"--{key} moved to --{MOVED_KEYS[key]}")
-            continue
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-        hints.append(f"--{key} is not an option" + (f"; did you mean {', '.join('--' + c for c in close)}?"
-                                                      if close else ""))
-    return "; ".join(hints) or message
-
-
-def one_line_error(message: str) -> str:
-    """Any of jsonargparse's parse errors as one line: a moved key or value names its new place, a misspelt class
-    its closest ones, a value given to a class chosen by class_path its full key, a value out of range its rule."""
-    moved = moved_value_message(message)
-    if moved:
-        return moved
-    in_file = re.match(r"(Group|Subcommand) '([\w.]+)' does not accept option '([\w.]+)'", message)  # a config's
-    key = in_file and (in_file[3] if in_file[1] == "Subcommand" else f"{in_file[2]}.{in_file[3]}")
-    if key in MOVED_KEYS:
-        return f"{key} moved to {MOVED_KEYS[key]}"
-    if "has no attribute" in message and (misspelt := class_path_error(message)):
-        return misspelt
-    worded = callable_error_message(plain_parser_error(message))
-    for_class = subclass_error_message(worded)
-    if for_class != worded:
-        return for_class
-    return class_path_error(message) or worded
-
-
-def callable_error_message(message: str) -> str:
-    """jsonargparse's error for a value given to a class that arrives as a callable (model.net, built with
-    num_classes), out of its range or choices, as one line with the key in full: `model.net.arch='resnt50' is ...`."""
-    found = re.match(r'Parser key "([\w.]+)":\s*Type .*? expects a function or a callable class: ([\w.]+=.*?)\. '
-                     r"Got value: ", message, re.DOTALL)
-    return f"{found[1]}.{' '.join(found[2].split())}" if found else message
-
-
-def subclass_error_message(message: str) -> str:
-    """jsonargparse's error for a value given to a class chosen by class_path (`data`), a page listing the union's
-    members, as one line: the key in full (`data.image_size=16 is below 32`), a key the class does not take with
-    the closest ones it does, or where a key that moved went."""
-    found = re.match(r'Parser key "([\w.]+)":.*?Problem with given class_path \'([\w.]+)\':\s*\n(.*?)\n\s*- ', message,
-                     re.DOTALL)
-    if found is None:
-        return message
-    section, class_path, inner = found[1], found[2], " ".join(found[3].split())
-    unknown = re.match(r"Option '([\w.]+)' is not accepted", inner)
-    if unknown:
-        key = f"{section}.{unknown[1]}"
-        if key in MOVED_KEYS:
-            return f"--{key} moved to --{MOVED_KEYS[key]}"
-        close = difflib.get_close_matches(unknown[1], _init_keys(class_path), n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(f'--{section}.{c}' for c in close)}?" if close else ""
-        return f"--{key} is not an option{hint} ({section}.class_path: {class_path})"
-    if re.match(r"--[\w.]+ is not an option", inner):  # a nested class's key (data.train_transform), worded
-        return re.sub(r"\((?=[\w.]+\.class_path:)", f"({section}.", re.sub(r"--(?=\w)", f"--{section}.", inner))
-    if re.match(r"[\w.]+=", inner):  # a value out of range, already worded by plain_parser_error
-        return f"{section}.{inner}"
-    nested = re.match(r'Parser key "([\w.]+)": (.*)', inner)
-    if nested:
-        return f"{section}.{nested[1]}: {nested[2]}"
-    return f"{section}.class_path={class_path}: {inner}"
-
-
-def _init_keys(class_path: str) -> list[str]:
-    """The arguments `class_path` takes, as the parser reads them (those of its parents' too)."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_class_arguments(getattr(importlib.import_module(module), name))
-        return [k for k in parser.get_defaults().keys() if not k.startswith("__")]
-    except Exception:  # noqa: BLE001 - only a hint: the message stands without it
-        return []
 
 
 class ImgclsCLI(LightningCLI):
@@ -571,7 +414,7 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
             trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
             auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
             parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
-            parser_class=_ArgumentParser,
+            parser_class=OneLineErrorParser,
         )
     except SystemExit:  # Preemption's exit after its checkpoint, which every rank agreed on (or --help: no group yet)
         destroy_process_groups()
