@@ -14,6 +14,8 @@ What the CLI adds that no config file shows (`--print_config` does not list thes
   `CurvesAcrossResumes` among the fault guards (one curve across resumes and kills);
 - the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
   `auto_resume`.
+What it adds that `--print_config` shows: `freeze`, the `training.callbacks.FreezeBackbone` of every run (off unless a
+config sets `freeze.epochs`). A run keeps one `training.callbacks.ModelCheckpoint`, the last one its configs list.
 The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
 `datamodules.ImageFolderDataModule`; docs/EXTENDING.md, "Data source").
 Beside it in training/cli/: what a command takes from a checkpoint (from_checkpoint.py), how the model, data and
@@ -45,8 +47,9 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ClassificationData, ImageFolderDataModule
 from lightning_modules import ImageClassifier
+from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
-from training.callbacks import PredictionWriter, RunConfig
+from training.callbacks.checkpoint import one_run_checkpoint
 from training.cli.errors import exit_code
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
@@ -121,6 +124,10 @@ class ImgclsCLI(LightningCLI):
         parser.link_arguments("data.multilabel", "model.multilabel", apply_on="instantiate")  # train/labels.csv
         parser.link_arguments("data.input_contract", "model.input_contract", apply_on="instantiate")  # eval transform
         parser.link_arguments("data.batch_size", "model.batch_size", apply_on="instantiate")  # lr scaling
+        # A callback of every run, with a key of its own (freeze.epochs; 0, its default, is off): a config or recipe
+        # turns it on or off without listing trainer.callbacks, to which a later config can append but whose items it
+        # cannot change (jsonargparse's list append).
+        parser.add_lightning_class_args(FreezeBackbone, "freeze")
         parser.add_argument("--auto_resume", type=bool, default=False,
                             help="fit: resume from the newest intact checkpoint of the run directory, if any")
 
@@ -143,6 +150,9 @@ class ImgclsCLI(LightningCLI):
         self.parser.add_instantiator(LoggerInstantiator(self), Logger)
         config = self.config[self.subcommand]
         place_in_run_dir(config, self.subcommand)
+        replaced = one_run_checkpoint(config)
+        if replaced:
+            rank_zero_info(replaced)
         for logger in config_loggers(config):
             if getattr(logger, "class_path", "").endswith("WandbLogger") and wandb_online():
                 logger.init_args.offline = False
