@@ -22,7 +22,7 @@ from datamodules.presets import eval_preset, float_stage, input_contract
 from datamodules.transforms import CONTRACT_VALUES, build_transform, eval_transform_config, name_of
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
-from training.records.saved_run import SavedRun
+from training.records.saved_run import SavedRun, checkpoint_file
 from training.resume.checkpoints import UnsafeCheckpointError
 
 FORMATS = ("onnx", "torchscript")
@@ -31,13 +31,7 @@ FORMATS = ("onnx", "torchscript")
 def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
     """The model in eval mode on the CPU, fp32, and its input contract (the evaluation preprocessing it was trained
     with: `ImageClassifier.input_contract`, or the data hyperparameters of a checkpoint older than it)."""
-    ckpt_path = Path(ckpt_path)
-    if ckpt_path.is_dir():  # written by training.distributed.fsdp.FSDP2Strategy
-        raise ValueError(f"--ckpt_path {ckpt_path} is a sharded checkpoint (a folder); make one file of it first: "
-                         f"python -m training.distributed.fsdp {ckpt_path} "
-                         f"{ckpt_path.with_name(ckpt_path.stem + '-full.ckpt')}")
-    if not ckpt_path.is_file():
-        raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
+    ckpt_path = checkpoint_file(ckpt_path)
     # The network without its `weights`: the checkpoint holds every weight, so the pretrained ones it was fine-tuned
     # from (model.net.weights) are neither needed nor downloaded.
     # Both reads are weights_only: a checkpoint that needs arbitrary unpickling is refused, naming the file.

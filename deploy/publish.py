@@ -33,7 +33,7 @@ from lightning_modules.pretrained import (
     network_spec,
     read_config,
 )
-from training.records.saved_run import SavedRun, run_folder
+from training.records.saved_run import SavedRun, checkpoint_file, run_folder
 from training.records.secrets import redact_secrets, redact_values
 
 CARD_FILE = "README.md"
@@ -54,14 +54,7 @@ def evaluation_contract(saved: SavedRun) -> dict[str, Any]:
 def read_run(ckpt_path: str | Path) -> tuple[SavedRun, dict[str, torch.Tensor], bool]:
     """(what the checkpoint says of its run, the network's validated weights, whether they are an EMA); one line when
     the file is not a checkpoint of `imgcls fit`."""
-    ckpt_path = Path(ckpt_path)
-    if ckpt_path.is_dir():
-        raise ValueError(f"--ckpt_path {ckpt_path} is a sharded checkpoint (a folder); make one file of it first: "
-                         f"python -m training.distributed.fsdp {ckpt_path} "
-                         f"{ckpt_path.with_name(ckpt_path.stem + '-full.ckpt')}")
-    if not ckpt_path.is_file():
-        raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist; pass a checkpoint of imgcls fit, e.g. "
-                                "RUN/checkpoints/last.ckpt")
+    ckpt_path = checkpoint_file(ckpt_path)
     saved = SavedRun.read(ckpt_path)
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
@@ -251,7 +244,7 @@ def transform_arg(data: dict, transform: str, key: str):
 
 def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
     """The README.md the Hub shows: YAML metadata (library, tags, dataset, metrics) and the card's text."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
     names, multilabel = config["class_names"], config["multilabel"]
     metrics = run_metrics(run, saved.global_step)
@@ -261,19 +254,8 @@ def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
     dataset = Path(str(root)).name if root else "unknown"
     arch = config["network"]["init_args"].get("arch", "network")
     logged = logged_hparams(run)
-    counts = (logged.get("data") or {}) if isinstance(logged.get("data"), dict) else {}
     scores = per_class(run, names)
     run_config = yaml.safe_load(training_config(saved, run)) or {}
-    card_data = ModelCardData(
-        library_name=LIBRARY, license="other", pipeline_tag="image-classification",
-        tags=["image-classification", "pytorch", "lightning", LIBRARY, str(arch)] + (["multi-label"] if multilabel
-                                                                                    else []),
-        datasets=[dataset], metrics=sorted({hub for _, hub, _ in shown}) or None,
-        model_name=f"{arch} on {dataset}",
-        eval_results=[EvalResult(task_type="image-classification", dataset_type=dataset, dataset_name=dataset,
-                                 dataset_split="validation", metric_type=hub, metric_name=label, metric_value=value)
-                      for label, hub, value in shown] or None,
-    )
     lines = [f"# {arch} on {dataset}", "",
              f"An image classifier ({'multi-label' if multilabel else 'single-label'}, {len(names)} classes) trained "
              f"with imgcls for {saved.global_step} steps on `{dataset}`. Weights: "
@@ -285,13 +267,7 @@ def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
             lines.append(f"\nThreshold: a class is predicted at or above {config['threshold']}.")
     else:
         lines.append("The run's logs (TensorBoard or CSV in its run directory) were not found: no metrics to show.")
-    lines += ["", "## Classes", "", "| class | train images | val images | val F1 |", "|---|---|---|---|"]
-    for name in names:
-        train, val = (counts.get("train") or {}).get(name, "?"), (counts.get("val") or {}).get(name, "?")
-        f1, support = scores[name] if scores and name in scores else (None, None)
-        f1 = f1 if support else None
-        lines.append(f"| {name} | {train} | {support if support is not None else val} | "
-                     f"{'-' if f1 is None else f'{f1:.3f}'} |")
+    lines += _class_lines(names, logged, scores)
     lines += ["", "## Recipe", "", "| setting | value |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in recipe(saved, run_config)], "",
               "The full resolved config is `training_config.yaml`.", "", "## Hardware and training time", ""]
@@ -300,21 +276,7 @@ def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
     lines.append(f"- hardware: {hardware if hardware else 'not recorded by the run'}")
     lines.append(f"- training time: {seconds / 60:.1f} min (first to last logged point)" if seconds else
                  "- training time: not recorded (no TensorBoard logs)")
-    seen = {n: f1 for n, (f1, support) in (scores or {}).items() if support}  # classes validated on
-    mean_f1 = sum(seen.values()) / len(seen) if seen else None
-    weak = [n for n in sorted(seen, key=seen.get)[:3] if seen[n] < mean_f1]
-    lines += ["", "## Intended use and limits", "",
-              f"Classifies images into the {len(names)} classes above, as found in `{dataset}`; it knows no other "
-              "class and gives every image one of them"
-              + (" (or none, below the threshold)" if multilabel else "") + ". Images unlike the training data "
-              "(other cameras, sizes, domains) may be classified with high but wrong confidence.",
-              ""]
-    if weak:
-        lines.append("Weakest classes on validation (F1): " + ", ".join(f"{n} ({seen[n]:.3f})" for n in weak)
-                     + ".")
-    else:
-        lines.append("Per-class validation figures were not recorded (training.callbacks.ValidationFigures "
-                     "writes them).")
+    lines += _limits_lines(names, dataset, multilabel, scores)
     contract = config["preprocessing"]
     lines += ["", "## Preprocessing", "",
               f"8-bit RGB; {contract['preset']} preset: " + (f"resize the short side to {contract['resize_size']}, "
@@ -329,7 +291,56 @@ def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):
               'model = ImageClassifier.from_pretrained("THIS_FOLDER_OR_REPO_ID")', "```", "",
               "or `imgcls predict --model.net.weights THIS_FOLDER --data.predict_dir IMAGES`, or `imgcls serve "
               "THIS_FOLDER`.", ""]
-    return ModelCard.from_template(card_data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines))
+    return ModelCard.from_template(_card_data(arch, dataset, multilabel, shown),
+                                   template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines))
+
+
+def _card_data(arch: str, dataset: str, multilabel: bool, shown: list[tuple[str, str, float]]):
+    """The card's YAML metadata: library, tags, dataset and the validation metrics as the Hub's eval results."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    return ModelCardData(
+        library_name=LIBRARY, license="other", pipeline_tag="image-classification",
+        tags=["image-classification", "pytorch", "lightning", LIBRARY, str(arch)] + (["multi-label"] if multilabel
+                                                                                    else []),
+        datasets=[dataset], metrics=sorted({hub for _, hub, _ in shown}) or None,
+        model_name=f"{arch} on {dataset}",
+        eval_results=[EvalResult(task_type="image-classification", dataset_type=dataset, dataset_name=dataset,
+                                 dataset_split="validation", metric_type=hub, metric_name=label, metric_value=value)
+                      for label, hub, value in shown] or None,
+    )
+
+
+def _class_lines(names: list[str], logged: dict, scores: dict | None) -> list[str]:
+    """The card's table of classes: the images of each in train and val, and its validation F1."""
+    counts = (logged.get("data") or {}) if isinstance(logged.get("data"), dict) else {}
+    lines = ["", "## Classes", "", "| class | train images | val images | val F1 |", "|---|---|---|---|"]
+    for name in names:
+        train, val = (counts.get("train") or {}).get(name, "?"), (counts.get("val") or {}).get(name, "?")
+        f1, support = scores[name] if scores and name in scores else (None, None)
+        f1 = f1 if support else None
+        lines.append(f"| {name} | {train} | {support if support is not None else val} | "
+                     f"{'-' if f1 is None else f'{f1:.3f}'} |")
+    return lines
+
+
+def _limits_lines(names: list[str], dataset: str, multilabel: bool, scores: dict | None) -> list[str]:
+    """The card's intended use and limits, with the weakest classes on validation."""
+    seen = {n: f1 for n, (f1, support) in (scores or {}).items() if support}  # classes validated on
+    mean_f1 = sum(seen.values()) / len(seen) if seen else None
+    weak = [n for n in sorted(seen, key=seen.get)[:3] if seen[n] < mean_f1]
+    lines = ["", "## Intended use and limits", "",
+             f"Classifies images into the {len(names)} classes above, as found in `{dataset}`; it knows no other "
+             "class and gives every image one of them"
+             + (" (or none, below the threshold)" if multilabel else "") + ". Images unlike the training data "
+             "(other cameras, sizes, domains) may be classified with high but wrong confidence.",
+             ""]
+    if weak:
+        lines.append("Weakest classes on validation (F1): " + ", ".join(f"{n} ({seen[n]:.3f})" for n in weak) + ".")
+    else:
+        lines.append("Per-class validation figures were not recorded (training.callbacks.ValidationFigures "
+                     "writes them).")
+    return lines
 
 
 def published_run(folder: str | Path) -> SavedRun:

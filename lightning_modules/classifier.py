@@ -3,6 +3,7 @@ head) with the injected loss, optimizer and schedule, and reports torchmetrics p
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -13,14 +14,8 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torchmetrics import MaxMetric, MeanMetric
-from torchmetrics.classification import (
-    MulticlassAccuracy,
-    MultilabelExactMatch,
-)
 
 import lightning_modules.pretrained as pretrained
-from core import hardware
 from core.config_types import OpenUnitInterval, PositiveInt, check_arguments
 from lightning_modules.losses import for_multilabel
 from lightning_modules.network import (
@@ -31,10 +26,9 @@ from lightning_modules.network import (
     require_backbone,
 )
 from lightning_modules.optim import (
-    DEFAULT_LR_SCHEDULER,
-    DEFAULT_OPTIMIZER,
     build_lr_scheduler,
     build_optimizer,
+    factories,
     plain_callable,
     replan_lr_scheduler,
     rescale_learning_rates,
@@ -42,8 +36,8 @@ from lightning_modules.optim import (
     unset_arguments,
 )
 from lightning_modules.schedules import WarmupCosine
-from lightning_modules.settings import DEFAULT_LEVERS, DEFAULT_RECIPE, Levers, Recipe, as_settings
-from lightning_modules.targets import batch_mix, split_metrics
+from lightning_modules.settings import DEFAULT_LEVERS, DEFAULT_RECIPE, Levers, Recipe, as_settings, resolve_levers
+from lightning_modules.targets import batch_mix, classifier_metrics, split_metrics
 
 
 class ImageClassifier(L.LightningModule):
@@ -104,45 +98,13 @@ class ImageClassifier(L.LightningModule):
         recipe: Recipe = DEFAULT_RECIPE,
         levers: Levers = DEFAULT_LEVERS,
     ) -> None:
-        check_arguments("model", ImageClassifier.__init__, {"threshold": threshold, "batch_size": batch_size})
         net = network_from_config(net) if isinstance(net, dict) else net  # a checkpoint's, loaded without the CLI
         recipe, levers = as_settings(Recipe, recipe), as_settings(Levers, levers)
-        for key, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
-            if value is not None and not callable(value):
-                raise ValueError(f"model.{key}={value!r} is not a class_path: give the class, e.g. "
-                                 + ("torch.optim.AdamW" if key == "optimizer" else
-                                    "torch.optim.lr_scheduler.OneCycleLR"))
+        _check_arguments(num_classes, class_names, multilabel, threshold, batch_size, recipe)
+        self.optimizer_factory, self.lr_scheduler_factory = factories(optimizer, lr_scheduler)
         super().__init__()
-        if num_classes is None or num_classes < 2:
-            raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
-        if class_names is not None and len(class_names) != num_classes:
-            raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
-        if multilabel and (recipe.mixup_alpha or recipe.cutmix_alpha):
-            raise ValueError("model.recipe.mixup_alpha and model.recipe.cutmix_alpha mix single-label targets; this "
-                             "data is multi-label (train/labels.csv): set both to 0")
-        # Each command's own threshold: not checkpointed, as a checkpoint's hparams would override the command line.
-        with warnings.catch_warnings():  # Lightning's advice to ignore a module argument: done just below
-            warnings.filterwarnings("ignore", message="Attribute 'loss' is an instance of `nn.Module`")
-            self.save_hyperparameters(ignore=["threshold"])  # from a config: class_path and init_args of each seam
-        # Objects from Python (a loss module, a network or optimizer callable), which checkpoints loaded weights_only
-        # cannot hold: left out; the settings' dataclasses as plain dicts.
-        python_objects = [k for k in ("net", "loss", "optimizer", "lr_scheduler")
-                          if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
-        if python_objects:
-            self.save_hyperparameters(ignore=["threshold", *python_objects])
-        if "net" in python_objects and network_config(net) is not None:  # a class or partial from Python: by name
-            self.hparams["net"] = network_config(net)
-        for key, value in (("recipe", recipe), ("levers", levers)):
-            if not isinstance(self.hparams.get(key), Mapping):
-                self.hparams[key] = asdict(value)
+        self._save_hyperparameters(net, recipe, levers)
         self.recipe, self.lever_settings = recipe, levers
-        self.optimizer_factory: Callable = DEFAULT_OPTIMIZER if optimizer is None else plain_callable(optimizer)
-        self.lr_scheduler_factory: Callable = (DEFAULT_LR_SCHEDULER if lr_scheduler is None
-                                               else plain_callable(lr_scheduler))
-        try:  # the optimizer's own checks of its arguments (a negative lr, betas out of range), before any training
-            self.optimizer_factory([nn.Parameter(torch.zeros(1))])
-        except ValueError as err:
-            raise ValueError(f"model.optimizer ({target_of(self.optimizer_factory).__name__}): {err}") from None
         loss = nn.CrossEntropyLoss() if loss is None else loss
         if multilabel:
             loss, why = for_multilabel(loss)
@@ -165,16 +127,27 @@ class ImageClassifier(L.LightningModule):
         self._net_compiled = False
         if levers.channels_last is True:
             self._set_channels_last()
+        self.train_acc, self.val_metrics, self.test_metrics, self.eval_loss, self.val_acc_best = classifier_metrics(
+            num_classes, multilabel, threshold)
 
-        self.train_acc = (MultilabelExactMatch(num_classes, threshold=threshold) if multilabel
-                          else MulticlassAccuracy(num_classes, average="micro"))
-        self.val_metrics = split_metrics(num_classes, "val", multilabel, threshold)
-        self.test_metrics = split_metrics(num_classes, "test", multilabel, threshold)
-        # Mean loss over all images of all ranks, synced once at epoch end: ranks may hold different numbers of
-        # val/test batches (each image goes to one rank), so a per-step all-reduce (sync_dist) could deadlock.
-        self.eval_loss = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
-        self.val_acc_best = MaxMetric()  # best-so-far val/acc, for dashboards and sweeps
-        self.val_acc_best.persistent(True)  # kept in checkpoints, so a resumed run remembers its best
+    def _save_hyperparameters(self, net, recipe: Recipe, levers: Levers) -> None:
+        """The arguments as a config gives them (class_path and init_args of each seam), the settings' dataclasses as
+        plain dicts. Each command's own threshold is left out: a checkpoint's hparams would override the command line.
+        Objects from Python (a loss module, a network or optimizer callable), which checkpoints loaded weights_only
+        cannot hold, are left out too, a network class or partial kept by name."""
+        init = inspect.currentframe().f_back  # the frame of __init__, whose arguments these are
+        with warnings.catch_warnings():  # Lightning's advice to ignore a module argument: done just below
+            warnings.filterwarnings("ignore", message="Attribute 'loss' is an instance of `nn.Module`")
+            self.save_hyperparameters(ignore=["threshold"], frame=init)
+        python_objects = [k for k in ("net", "loss", "optimizer", "lr_scheduler")
+                          if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
+        if python_objects:
+            self.save_hyperparameters(ignore=["threshold", *python_objects], frame=init)
+        if "net" in python_objects and network_config(net) is not None:
+            self.hparams["net"] = network_config(net)
+        for key, value in (("recipe", recipe), ("levers", levers)):
+            if not isinstance(self.hparams.get(key), Mapping):
+                self.hparams[key] = asdict(value)
 
     def configure_model(self) -> None:
         # Called by the Trainer (each fit, validate, ...) once it knows the device.
@@ -410,16 +383,14 @@ class ImageClassifier(L.LightningModule):
         return pretrained.from_pretrained(cls, name_or_path, threshold=threshold)
 
 
-def resolve_levers(settings: Mapping, device: str) -> tuple[dict[str, bool | str], list[str]]:
-    """The model's speed levers (`settings`: Levers as a dict) for `device`: each `auto` chosen from the hardware; and
-    one reason per lever."""
-    hw = hardware.detect()
-    rules = {"channels_last": hardware.choose_channels_last, "compile": hardware.choose_compile,
-             "optimizer_impl": hardware.choose_optimizer_impl}
-    levers, reasons = {}, []
-    for key, rule in rules.items():
-        value, why = rule(hw, device) if settings[key] == "auto" else (settings[key], "set in the config")
-        levers[key] = value
-        shown = ("on" if value else "off") if isinstance(value, bool) else value
-        reasons.append(f"{key} {shown} ({why})")
-    return levers, reasons
+def _check_arguments(num_classes: int, class_names: list[str] | None, multilabel: bool, threshold: float,
+                     batch_size: int, recipe: Recipe) -> None:
+    """ImageClassifier's refusals of its arguments, before anything is built."""
+    check_arguments("model", ImageClassifier.__init__, {"threshold": threshold, "batch_size": batch_size})
+    if num_classes is None or num_classes < 2:
+        raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
+    if multilabel and (recipe.mixup_alpha or recipe.cutmix_alpha):
+        raise ValueError("model.recipe.mixup_alpha and model.recipe.cutmix_alpha mix single-label targets; this "
+                         "data is multi-label (train/labels.csv): set both to 0")

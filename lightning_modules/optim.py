@@ -47,6 +47,23 @@ def plain_callable(factory: Callable) -> Callable:
     return factory
 
 
+def factories(optimizer: Callable | None, lr_scheduler: Callable | None) -> tuple[Callable, Callable]:
+    """`model.optimizer` and `model.lr_scheduler` as plain callables (null: the recipe's defaults). The optimizer is
+    tried on one parameter: its own checks of its arguments (a negative lr, betas out of range) refuse before any
+    training."""
+    for key, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
+        if value is not None and not callable(value):
+            raise ValueError(f"model.{key}={value!r} is not a class_path: give the class, e.g. "
+                             + ("torch.optim.AdamW" if key == "optimizer" else "torch.optim.lr_scheduler.OneCycleLR"))
+    optimizer = DEFAULT_OPTIMIZER if optimizer is None else plain_callable(optimizer)
+    lr_scheduler = DEFAULT_LR_SCHEDULER if lr_scheduler is None else plain_callable(lr_scheduler)
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(1))])
+    except ValueError as err:
+        raise ValueError(f"model.optimizer ({target_of(optimizer).__name__}): {err}") from None
+    return optimizer, lr_scheduler
+
+
 def unset_arguments(factory: Callable, values: dict[str, Any]) -> dict[str, Any]:
     """The entries of `values` that `factory`'s target takes and its partial left unset (absent or None)."""
     try:

@@ -1,10 +1,13 @@
-"""The model's small groups of settings (`model.recipe`, `model.levers`): typed fields, each with its one-line doc."""
+"""The model's small groups of settings (`model.recipe`, `model.levers`): typed fields, each with its one-line doc;
+and the levers chosen for a device (`resolve_levers`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from core import hardware
 from core.config_types import NonNegativeFloat, check_arguments
 
 Auto = Literal["auto"]
@@ -55,3 +58,18 @@ def as_settings(kind: type, value):
     if value is None:
         return kind()
     return kind(**value) if isinstance(value, dict) else value
+
+
+def resolve_levers(settings: Mapping, device: str) -> tuple[dict[str, bool | str], list[str]]:
+    """The model's speed levers (`settings`: Levers as a dict) for `device`: each `auto` chosen from the hardware; and
+    one reason per lever."""
+    hw = hardware.detect()
+    rules = {"channels_last": hardware.choose_channels_last, "compile": hardware.choose_compile,
+             "optimizer_impl": hardware.choose_optimizer_impl}
+    levers, reasons = {}, []
+    for key, rule in rules.items():
+        value, why = rule(hw, device) if settings[key] == "auto" else (settings[key], "set in the config")
+        levers[key] = value
+        shown = ("on" if value else "off") if isinstance(value, bool) else value
+        reasons.append(f"{key} {shown} ({why})")
+    return levers, reasons

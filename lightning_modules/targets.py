@@ -1,8 +1,9 @@
-"""What the classifier trains on and is scored by: mixup/CutMix of training batches, and the metrics of a split."""
+"""What the classifier trains on and is scored by: mixup/CutMix of training batches, and its metrics."""
 
 from __future__ import annotations
 
-from torchmetrics import MetricCollection
+from torch import nn
+from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import (
     MulticlassAccuracy,
     MulticlassF1Score,
@@ -28,6 +29,20 @@ def split_metrics(num_classes: int, prefix: str, multilabel: bool = False, thres
     if num_classes >= 5:
         metrics["acc_top5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
     return MetricCollection(metrics, prefix=f"{prefix}/")
+
+
+def classifier_metrics(num_classes: int, multilabel: bool, threshold: float) -> tuple[nn.Module, ...]:
+    """The classifier's metrics: train/acc, the val/ and test/ collections (split_metrics), the mean val and test
+    loss, and the best val/acc so far."""
+    train_acc = (MultilabelExactMatch(num_classes, threshold=threshold) if multilabel
+                 else MulticlassAccuracy(num_classes, average="micro"))
+    # Mean loss over all images of all ranks, synced once at epoch end: ranks may hold different numbers of val/test
+    # batches (each image goes to one rank), so a per-step all-reduce (sync_dist) could deadlock.
+    eval_loss = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
+    val_acc_best = MaxMetric()  # best-so-far val/acc, for dashboards and sweeps
+    val_acc_best.persistent(True)  # kept in checkpoints, so a resumed run remembers its best
+    return (train_acc, split_metrics(num_classes, "val", multilabel, threshold),
+            split_metrics(num_classes, "test", multilabel, threshold), eval_loss, val_acc_best)
 
 
 def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> v2.Transform | None:

@@ -58,8 +58,8 @@ TINY = [
 ]
 
 
-# `imgcls fit` arguments that freeze the network's backbone for epoch 0 (configs/callbacks/finetune.yaml's callback).
-FREEZE_FIRST_EPOCH = ["--trainer.callbacks+=training.callbacks.FreezeBackbone", "--trainer.callbacks.epochs", "1"]
+# `imgcls fit` arguments that freeze the network's backbone for epoch 0 (training.callbacks.FreezeBackbone).
+FREEZE_FIRST_EPOCH = ["--freeze.epochs", "1"]
 
 
 LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

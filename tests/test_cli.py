@@ -23,7 +23,7 @@ QUIET = ["--trainer.enable_model_summary", "false"]
 
 def _trainer_configs() -> list[Path]:
     """Shipped LightningCLI configs (sweep files have their own schema and their own tests)."""
-    # sweeps/ are sweep files, callbacks/ lists that configs name as their `trainer.callbacks` (parsed with them)
+    # sweeps/ are sweep files, callbacks/ the list that configs name as their `trainer.callbacks` (parsed with them)
     return sorted(p for p in CONFIGS.rglob("*.yaml") if not {"sweeps", "callbacks"} & set(p.parts))
 
 
@@ -62,6 +62,7 @@ def test_production_config_prints_on_its_own():
     monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"]
                  if c["class_path"].endswith("ModelCheckpoint")]
     assert "val/acc" in monitored
+    assert printed["freeze"] == {"epochs": 1}  # training.callbacks.FreezeBackbone: the head trains alone first
 
 
 def test_help_lists_every_command(capsys):

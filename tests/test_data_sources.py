@@ -177,13 +177,6 @@ def test_a_users_own_datamodule_plugs_in_by_class_path_alone(tmp_path):
     assert saved["class_path"] == "tests.user_plugins.TensorData" and "root" not in saved["init_args"]
 
 
-def test_data_format_names_its_new_place_in_one_line():
-    proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.format", "litdata", check=False)
-    assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("imgcls: error:")]
-    assert len(lines) == 1 and "--data.class_path datamodules.ShardsDataModule" in lines[0], proc.stderr[-2000:]
-
-
 def test_hugging_face_reads_a_folder_of_images_with_its_imagefolder_builder(tmp_path, monkeypatch):
     import datasets  # the dev extra installs it: a broken install fails here, never skips
 

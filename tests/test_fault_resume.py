@@ -65,7 +65,7 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     callbacks = cfg["trainer"]["callbacks"]
     if recipe:
         cfg["model"]["recipe"].update(mixup_alpha=0.2, cutmix_alpha=1.0)
-        callbacks.append({"class_path": "training.callbacks.FreezeBackbone", "init_args": {"epochs": 1}})  # thaws at 1
+        cfg["freeze"] = {"epochs": 1}  # training.callbacks.FreezeBackbone: thaws at epoch 1
         callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
     if recipe:  # the loader's random augmentation too: crops and flips, TrivialAugment, erasing

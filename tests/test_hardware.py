@@ -16,7 +16,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 from core import hardware
 from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier, Levers
-from lightning_modules.classifier import resolve_levers
+from lightning_modules.settings import resolve_levers
 from training.trainer import Trainer, device_type
 
 AVX2_CPU = hardware.Hardware("AMD EPYC 7B12", frozenset({"avx2"}), cores=2)

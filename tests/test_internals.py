@@ -19,11 +19,10 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "datamodules", "lightning_modules", "training", "benchmarks")
+PACKAGES = ("core", "datamodules", "lightning_modules", "training", "deploy", "benchmarks")
 MAX_PRIVATE_NAMES = 15
 
 # name -> (where it is used, why no public way exists)
@@ -64,10 +63,7 @@ FENCE = {
     "_data_parallel_size": ("training/distributed/fsdp.py: FSDP2Strategy.setup_environment",
                             "every process on the data-parallel axis: the world size is known only once the Trainer "
                             "set the strategy up, and ModelParallelStrategy's `auto` means the number of nodes"),
-    "_parse_ckpt_path": ("training/cli/app.py: ImgclsCLI._parse_ckpt_path",
-                         "resolve `last`, auto_resume and a missing --ckpt_path, and check a resume, before the "
-                         "checkpoint's hyperparameters are merged; no public hook runs between parsing and that merge"),
-    "_InstantiatorFn": ("training/cli/app.py: the model and data instantiators",
+    "_InstantiatorFn": ("training/cli/instantiators.py: the model and data instantiators",
                         "Lightning's instantiator that stores the config in the hyperparameters "
                         "(load_from_checkpoint); ours wrap it"),
     "_hparams_initial": ("training/callbacks/run_config.py: RunConfig.setup",
@@ -354,7 +350,6 @@ class Checkpoint(ModelCheckpoint):
 
 def test_the_fenced_lightning_methods_exist():
     assert list(inspect.signature(L.Trainer._run).parameters) == ["self", "model", "ckpt_path", "weights_only"]
-    assert callable(LightningCLI._parse_ckpt_path)
     assert callable(ModelCheckpoint._should_save_on_train_epoch_end)
     assert list(inspect.signature(ModelCheckpoint._save_last_checkpoint).parameters) == [
         "self", "trainer", "monitor_candidates"]

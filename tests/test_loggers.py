@@ -30,8 +30,9 @@ from tests.helpers import (
     wandb_run_record,
 )
 from training.cli.app import ImgclsCLI, cli_main
-from training.records.loggers import WANDB_RUN_ID_FILE, SecretSafeWandbLogger
+from training.records.loggers import SecretSafeWandbLogger
 from training.records.report import read_run
+from training.records.run_dir import WANDB_RUN_ID_FILE
 
 EPOCHS = 2
 

@@ -20,6 +20,7 @@ import yaml
 from datamodules.images import list_images, load_rgb
 from datamodules.presets import ClassificationPresetEval
 from deploy.export import main as export_main
+from deploy.publish import main as publish_main
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
 from tests.helpers import CONFIGS, FREEZE_FIRST_EPOCH, ROOT, TINY, cli_env, free_port, run_cli
@@ -184,3 +185,17 @@ def test_export_matches_pytorch(checkpoint, tmp_path, fmt, offline_env):
 def test_export_rejects_missing_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="nope.ckpt does not exist"):
         export_main(["--ckpt_path", str(tmp_path / "nope.ckpt")])
+
+
+def test_export_and_publish_refuse_a_sharded_checkpoint_naming_the_command_that_joins_it(tmp_path, capsys):
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    expected = (f"--ckpt_path {folder} is a sharded checkpoint (a folder); make one file of it first: python -m "
+                f"training.distributed.fsdp {folder} {tmp_path / 'last-full.ckpt'}")
+    with pytest.raises(SystemExit) as exported:
+        export_main(["--ckpt_path", str(folder)])
+    assert str(exported.value) == f"error: {expected}"
+    with pytest.raises(SystemExit):
+        publish_main([str(tmp_path / "model"), "--ckpt_path", str(folder)])
+    assert capsys.readouterr().err == f"imgcls publish: error: {expected}\n"
+    assert not (tmp_path / "model").exists()

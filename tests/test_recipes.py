@@ -56,3 +56,43 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
     assert ("current_model_state" in checkpoint) == ema  # EMAWeightAveraging appended to the base callbacks
     names = [c["class_path"].rsplit(".", 1)[-1] for c in config["trainer"]["callbacks"]]
     assert "ModelCheckpoint" in names and ("EMAWeightAveraging" in names) == ema
+
+
+def _default_list() -> set[str]:
+    return {c["class_path"] for c in yaml.safe_load((CONFIGS / "callbacks" / "default.yaml").read_text())}
+
+
+def _listed_callbacks(config: dict) -> list[str]:
+    trainer = config.get("trainer") or {}
+    entries = [c for key in ("callbacks", "callbacks+") if isinstance(trainer.get(key), list) for c in trainer[key]]
+    return [c["class_path"] if isinstance(c, dict) else c for c in entries]
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.rglob("*.yaml") if "sweeps" not in p.parts
+                                        and p != CONFIGS / "callbacks" / "default.yaml"),
+                         ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_no_config_copies_the_callbacks_list(path):
+    """configs/callbacks/default.yaml is the one list: a config names it, appends to it, or replaces its one
+    training.callbacks.ModelCheckpoint (a run keeps the last listed); it never lists the others again."""
+    copied = set(_listed_callbacks(yaml.safe_load(path.read_text()) or {})) & _default_list()
+    assert copied <= {"training.callbacks.ModelCheckpoint"}, copied
+
+
+def test_multilabel_on_the_production_config_keeps_its_frozen_backbone(images, tmp_path, monkeypatch):
+    """recipes/multilabel.yaml over imagenet_ddp8.yaml: the production config's frozen first epoch stays, the one
+    ModelCheckpoint of the run ranks by val/map, and the rest of the list is the default one."""
+    from training.callbacks import FreezeBackbone, ModelCheckpoint
+    from training.cli.app import ImgclsCLI, cli_main
+
+    monkeypatch.setattr("sys.argv", ["imgcls"])
+    monkeypatch.setattr(ImgclsCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not run
+    cli = cli_main(["fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"),
+                    "--config", str(CONFIGS / "recipes" / "multilabel.yaml"), *TINY, "--model.net.weights", "null",
+                    "--data.root", str(images), "--trainer.devices", "1", "--trainer.strategy", "auto",
+                    "--trainer.default_root_dir", str(tmp_path / "run")])
+    callbacks = cli.trainer.callbacks
+    assert [c.epochs for c in callbacks if isinstance(c, FreezeBackbone)] == [1]
+    assert [c.monitor for c in callbacks if isinstance(c, ModelCheckpoint)] == ["val/map"]
+    names = {f"{type(c).__module__.split('.')[0]}.{type(c).__name__}" for c in callbacks}
+    default = {f"{path.split('.')[0]}.{path.rsplit('.', 1)[-1]}" for path in _default_list()}
+    assert default <= names, default - names

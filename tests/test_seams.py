@@ -266,7 +266,7 @@ def test_a_users_network_with_its_own_pooling_and_head_by_class_path_alone(tmp_p
     cfg = resume_config()
     cfg["model"]["net"] = {"class_path": "tests.user_plugins.SmallGeMNet", "init_args": {"width": 8}}
     cfg["model"]["recipe"]["backbone_lr_ratio"] = 0.1
-    cfg["trainer"]["callbacks"].append({"class_path": "training.callbacks.FreezeBackbone", "init_args": {"epochs": 1}})
+    cfg["freeze"] = {"epochs": 1}  # training.callbacks.FreezeBackbone
     cfg["data"].update(root=str(data), batch_size=4, num_workers=0, image_size=32)
     config = tmp_path / "gem.yaml"
     config.write_text(yaml.safe_dump(cfg))

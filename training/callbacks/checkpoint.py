@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
@@ -78,3 +79,28 @@ def monitor_candidates(trainer) -> dict[str, torch.Tensor]:
         logged = metrics.get(key)
         metrics[key] = logged.int() if isinstance(logged, torch.Tensor) else torch.tensor(value)
     return metrics
+
+
+def one_run_checkpoint(config) -> str | None:
+    """A run has one training.callbacks.ModelCheckpoint (its best-k and last.ckpt): a later config that appends another
+    (recipes/multilabel.yaml, ranking by val/map) replaces the earlier one, in its place. Returns the line that says
+    so, or None."""
+    callbacks = config.trainer.callbacks
+    if not isinstance(callbacks, list):  # none, or a single callback
+        return None
+    ours = [i for i, c in enumerate(callbacks) if _names_subclass(c.class_path, ModelCheckpoint)]
+    if len(ours) < 2:
+        return None
+    first, kept = callbacks[ours[0]], callbacks[ours[-1]]
+    config.trainer.callbacks = [kept if i == ours[0] else c for i, c in enumerate(callbacks) if i not in ours[1:]]
+    return (f"trainer.callbacks: the last {kept.class_path} (monitor {kept.init_args.get('monitor')}) replaces the "
+            f"earlier one (monitor {first.init_args.get('monitor')}): a run has one")
+
+
+def _names_subclass(class_path: str, kind: type) -> bool:
+    module, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(found, type) and issubclass(found, kind)

@@ -1,9 +1,8 @@
 """Fine-tuning with a frozen backbone: the callback that freezes the network's declared backbone for the first epochs.
+Every `imgcls` run carries one, configured by its own key (configs/imagenet_ddp8.yaml):
 
-    trainer:
-      callbacks+:
-        - class_path: training.callbacks.FreezeBackbone
-          init_args: {epochs: 1}
+    freeze:
+      epochs: 1
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class FreezeBackbone(Callback):
         epochs: epochs with a frozen backbone (the head trains alone first); 0 is off.
     """
 
-    def __init__(self, epochs: NonNegativeInt = 1) -> None:
+    def __init__(self, epochs: NonNegativeInt = 0) -> None:
         check_arguments("FreezeBackbone", FreezeBackbone.__init__, {"epochs": epochs})
         self.epochs = epochs
 

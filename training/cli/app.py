@@ -14,16 +14,18 @@ What the CLI adds that no config file shows (`--print_config` does not list thes
   `CurvesAcrossResumes` among the fault guards (one curve across resumes and kills);
 - the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
   `auto_resume`.
+What it adds that `--print_config` shows: `freeze`, the `training.callbacks.FreezeBackbone` of every run (off unless a
+config sets `freeze.epochs`). A run keeps one `training.callbacks.ModelCheckpoint`, the last one its configs list.
 The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
 `datamodules.ImageFolderDataModule`; docs/EXTENDING.md, "Data source").
-The run directory and the closing summary are in training/records/run_dir.py, error reporting in training/cli/errors.py.
+Beside it in training/cli/: what a command takes from a checkpoint (from_checkpoint.py), how the model, data and
+loggers are built (instantiators.py), one-line errors (errors.py, parse_errors.py). The run directory and the closing
+summary are in training/records/run_dir.py.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
-import re
 import sys
 import warnings
 from argparse import RawDescriptionHelpFormatter
@@ -32,7 +34,6 @@ from pathlib import Path
 import yaml
 from jsonargparse import (
     ArgumentError,
-    ArgumentParser,
     DefaultHelpFormatter,
     Namespace,
     set_dumper,
@@ -40,39 +41,26 @@ from jsonargparse import (
 )
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
-from core.config_types import class_path_error, plain_parser_error
 from datamodules import ClassificationData, ImageFolderDataModule
-from deploy.publish import published_run
 from lightning_modules import ImageClassifier
-from lightning_modules.network import net_weights, without_pretrained_weights
-from lightning_modules.pretrained import is_model_folder, load_network_weights, network_kwargs_of
+from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
-from training.callbacks import PredictionWriter, RunConfig
+from training.callbacks.checkpoint import one_run_checkpoint
 from training.cli.errors import exit_code
+from training.cli.from_checkpoint import resolve_checkpoint
+from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
+from training.cli.parse_errors import OneLineErrorParser
 from training.cli.preflight import check_monitored
 from training.distributed.strategy import destroy_process_groups
-from training.records.loggers import LoggerInstantiator, wandb_online
-from training.records.run_dir import checkpoint_callbacks, checkpoint_folders, closing_summary, metrics_table, run_dir
-from training.records.saved_run import (
-    ClassMismatchError,
-    NoCheckpointError,
-    SavedRun,
-    best_checkpoint_of,
-    check_classes,
-    check_resume_overrides,
-    check_same_data,
-    check_unfinished,
-    evaluation_data,
-    explicit_class,
-    explicit_keys,
-    set_by_user,
-)
+from training.records.loggers import wandb_online
+from training.records.run_dir import closing_summary, config_loggers, metrics_table, place_in_run_dir
+from training.records.saved_run import SavedRun, explicit_keys, set_by_user
 from training.resume import fault_callbacks
-from training.resume.checkpoints import AtomicCheckpointIO, ResumePlan, resolve_resume
+from training.resume.checkpoints import AtomicCheckpointIO, ResumePlan
 from training.trainer import Trainer
 
 # Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
@@ -116,161 +104,6 @@ class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
     """Keeps the line breaks of the epilog that lists the extra commands."""
 
 
-class _ArgumentParser(LightningArgumentParser):
-    """Every parse error is one line: a value out of its range or choices as the model and data word it
-    (`data.image_size=16 is below 32`), and a misspelt key with the closest valid ones (not a page of usage)."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        message = unknown_keys_message(one_line_error(message), self)
-        if not self.exit_on_error:  # jsonargparse trying an alternative: it catches this
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        command = " ".join(["imgcls", *parser.prog.replace(" [options]", "").split()[1:]])
-        print(f"imgcls: error: {message} (`{command} --help` lists every option)", file=sys.stderr)
-        sys.exit(2)
-
-
-# Keys and values that moved when a part became a seam (a class_path), and where they went: one line each.
-MOVED_KEYS = {
-    "model.label_smoothing": "model.loss.label_smoothing (an argument of the loss: torch.nn.CrossEntropyLoss or "
-                             "lightning_modules.losses.BinaryCrossEntropy)",
-    "model.bce_target_threshold": "model.loss.target_threshold, with --model.loss "
-                                  "lightning_modules.losses.BinaryCrossEntropy",
-    "model.lr": "model.optimizer.lr (an argument of the optimizer, per 256 images)",
-    "model.momentum": "model.optimizer.momentum (SGD; AdamW and LAMB: model.optimizer.betas)",
-    "model.nesterov": "model.optimizer.nesterov (an argument of torch.optim.SGD)",
-    "model.weight_decay": "model.optimizer.weight_decay (an argument of the optimizer)",
-    "model.warmup_epochs": "model.lr_scheduler.warmup_epochs, with --model.lr_scheduler "
-                           "lightning_modules.schedules.WarmupCosine",
-    **{f"data.{key}": f"data.train_transform.{new} (an argument of the training transform, "
-                      "datamodules.presets.ClassificationPresetTrain)"
-       for key, new in (("train_image_size", "image_size"), ("auto_augment", "auto_augment"),
-                        ("auto_augment_magnitude", "auto_augment_magnitude"), ("random_erasing", "random_erasing"))},
-    **{f"data.{key}": f"data.eval_transform.{new} (an argument of the evaluation transform, "
-                      "datamodules.presets.ClassificationPresetEval)"
-       for key, new in (("eval_image_size", "image_size"), ("eval_resize_size", "resize_size"))},
-    **{f"model.{key}": f"model.net.{key} (an argument of the network, lightning_modules.network.BackboneWithHead)"
-       for key in ("arch", "weights", "head_hidden", "dropout")},
-    "model.lr_scaling": "model.recipe.lr_scaling",
-    "model.decay_norms_and_biases": "model.recipe.decay_norms_and_biases",
-    "model.mixup_alpha": "model.recipe.mixup_alpha",
-    "model.cutmix_alpha": "model.recipe.cutmix_alpha",
-    "model.backbone_lr_ratio": "model.recipe.backbone_lr_ratio",
-    "model.channels_last": "model.levers.channels_last",
-    "model.compile": "model.levers.compile",
-    "model.optimizer_impl": "model.levers.optimizer_impl",
-    "model.freeze_backbone_epochs": "trainer.callbacks+=training.callbacks.FreezeBackbone --trainer.callbacks.epochs N "
-                                    "(freezing is a callback)",
-    "data.format": "data.class_path: the data source is a class (LitData shards: --data.class_path "
-                   "datamodules.ShardsDataModule; the image folder, datamodules.ImageFolderDataModule, is the "
-                   "default: drop data.format folder)",
-}
-MOVED_VALUES = {
-    ("model.loss", "ce"): "torch.nn.CrossEntropyLoss",
-    ("model.loss", "bce"): "lightning_modules.losses.BinaryCrossEntropy",
-    ("model.optimizer", "sgd"): "torch.optim.SGD",
-    ("model.optimizer", "adamw"): "torch.optim.AdamW",
-    ("model.optimizer", "lamb"): "timm.optim.Lamb",
-}
-
-
-def moved_value_message(message: str) -> str | None:
-    """`--model.loss bce` (a name that is now a class_path): one line naming the class to give instead."""
-    key = re.match(r'Parser key "([^"]+)":', message)
-    value = re.search(r"Given value: (\S+)\s*$", message)
-    new = MOVED_VALUES.get((key.group(1), value.group(1))) if key and value else None
-    return f"{key.group(1)}={value.group(1)} moved: give the class, --{key.group(1)} {new}" if new else None
-
-
-def unknown_keys_message(message: str, parser) -> str:
-    """jsonargparse's `unrecognized arguments: --model.lrr 0.1` with, for each unknown key, the closest valid ones; and
-    a moved key that argparse took for an abbreviation (`ambiguous option: --model.lr could match ...`)."""
-    ambiguous = re.match(r"ambiguous option: --([^\s=]+)", message)
-    if ambiguous and ambiguous.group(1) in MOVED_KEYS:
-        return f"--{ambiguous.group(1)} moved to --{MOVED_KEYS[ambiguous.group(1)]}"
-    if not message.startswith("unrecognized arguments:"):
-        return message
-    unknown = [t.split("=")[0].lstrip("-") for t in message.split(":", 1)[1].split() if t.startswith("--")]
-    try:
-        known = [k for k in parser.get_defaults().keys() if not k.startswith("__")]
-    except Exception:  # noqa: BLE001 - only a hint: the message stands without it
-        return message
-    hints = []
-    for key in unknown:
-        if key in MOVED_KEYS:
-            hints.append(f"--{key} moved to --{MOVED_KEYS[key]}")
-            continue
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-        hints.append(f"--{key} is not an option" + (f"; did you mean {', '.join('--' + c for c in close)}?"
-                                                      if close else ""))
-    return "; ".join(hints) or message
-
-
-def one_line_error(message: str) -> str:
-    """Any of jsonargparse's parse errors as one line: a moved key or value names its new place, a misspelt class
-    its closest ones, a value given to a class chosen by class_path its full key, a value out of range its rule."""
-    moved = moved_value_message(message)
-    if moved:
-        return moved
-    in_file = re.match(r"(Group|Subcommand) '([\w.]+)' does not accept option '([\w.]+)'", message)  # a config's
-    key = in_file and (in_file[3] if in_file[1] == "Subcommand" else f"{in_file[2]}.{in_file[3]}")
-    if key in MOVED_KEYS:
-        return f"{key} moved to {MOVED_KEYS[key]}"
-    if "has no attribute" in message and (misspelt := class_path_error(message)):
-        return misspelt
-    worded = callable_error_message(plain_parser_error(message))
-    for_class = subclass_error_message(worded)
-    if for_class != worded:
-        return for_class
-    return class_path_error(message) or worded
-
-
-def callable_error_message(message: str) -> str:
-    """jsonargparse's error for a value given to a class that arrives as a callable (model.net, built with
-    num_classes), out of its range or choices, as one line with the key in full: `model.net.arch='resnt50' is ...`."""
-    found = re.match(r'Parser key "([\w.]+)":\s*Type .*? expects a function or a callable class: ([\w.]+=.*?)\. '
-                     r"Got value: ", message, re.DOTALL)
-    return f"{found[1]}.{' '.join(found[2].split())}" if found else message
-
-
-def subclass_error_message(message: str) -> str:
-    """jsonargparse's error for a value given to a class chosen by class_path (`data`), a page listing the union's
-    members, as one line: the key in full (`data.image_size=16 is below 32`), a key the class does not take with
-    the closest ones it does, or where a key that moved went."""
-    found = re.match(r'Parser key "([\w.]+)":.*?Problem with given class_path \'([\w.]+)\':\s*\n(.*?)\n\s*- ', message,
-                     re.DOTALL)
-    if found is None:
-        return message
-    section, class_path, inner = found[1], found[2], " ".join(found[3].split())
-    unknown = re.match(r"Option '([\w.]+)' is not accepted", inner)
-    if unknown:
-        key = f"{section}.{unknown[1]}"
-        if key in MOVED_KEYS:
-            return f"--{key} moved to --{MOVED_KEYS[key]}"
-        close = difflib.get_close_matches(unknown[1], _init_keys(class_path), n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(f'--{section}.{c}' for c in close)}?" if close else ""
-        return f"--{key} is not an option{hint} ({section}.class_path: {class_path})"
-    if re.match(r"--[\w.]+ is not an option", inner):  # a nested class's key (data.train_transform), worded
-        return re.sub(r"\((?=[\w.]+\.class_path:)", f"({section}.", re.sub(r"--(?=\w)", f"--{section}.", inner))
-    if re.match(r"[\w.]+=", inner):  # a value out of range, already worded by plain_parser_error
-        return f"{section}.{inner}"
-    nested = re.match(r'Parser key "([\w.]+)": (.*)', inner)
-    if nested:
-        return f"{section}.{nested[1]}: {nested[2]}"
-    return f"{section}.class_path={class_path}: {inner}"
-
-
-def _init_keys(class_path: str) -> list[str]:
-    """The arguments `class_path` takes, as the parser reads them (those of its parents' too)."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_class_arguments(getattr(importlib.import_module(module), name))
-        return [k for k in parser.get_defaults().keys() if not k.startswith("__")]
-    except Exception:  # noqa: BLE001 - only a hint: the message stands without it
-        return []
-
-
 class ImgclsCLI(LightningCLI):
     """Registers the model and data, links what they share, and derives paths from the run directory.
 
@@ -291,130 +124,44 @@ class ImgclsCLI(LightningCLI):
         parser.link_arguments("data.multilabel", "model.multilabel", apply_on="instantiate")  # train/labels.csv
         parser.link_arguments("data.input_contract", "model.input_contract", apply_on="instantiate")  # eval transform
         parser.link_arguments("data.batch_size", "model.batch_size", apply_on="instantiate")  # lr scaling
+        # A callback of every run, with a key of its own (freeze.epochs; 0, its default, is off): a config or recipe
+        # turns it on or off without listing trainer.callbacks, to which a later config can append but whose items it
+        # cannot change (jsonargparse's list append).
+        parser.add_lightning_class_args(FreezeBackbone, "freeze")
         parser.add_argument("--auto_resume", type=bool, default=False,
                             help="fit: resume from the newest intact checkpoint of the run directory, if any")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
         self.explicit = explicit_values(parser, args)
-
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads the model hyperparameters of --ckpt_path here, before any other hook: so this is where
-        # `last`, auto_resume and a broken checkpoint are resolved to an intact file, where an evaluation without a
-        # checkpoint finds its run's best one, and where a resume is checked against the run it would continue.
-        subcommand = self.config.get("subcommand")
-        if not subcommand:
-            return
-        config = self.config[subcommand]
-        asked = config.ckpt_path
-        if subcommand == "fit":
-            # Every folder a checkpoint of this run can be in: each callback's, and the run's own (a callback with no
-            # dirpath, and the preemption save, write there).
-            self.resume_plan = resolve_resume(config.ckpt_path, [run_dir(config) / "checkpoints",
-                                                                 *checkpoint_folders(config)], config.auto_resume)
-            config.ckpt_path = self.resume_plan.path
-        elif config.ckpt_path is None:
-            config.ckpt_path = self._checkpoint_to_evaluate(subcommand, config)
-        path = config.ckpt_path
-        if not path and is_model_folder(net_weights(config.model.get("net"))):  # a folder of `imgcls publish`
-            self._from_model_folder(subcommand, net_weights(config.model.get("net")))
-            return
-        if not path or not Path(path).exists():  # none, or Lightning's "best" / "hpc" / "registry"
-            return
-        self.saved_run = saved = SavedRun.read(path)
-        if subcommand == "fit":
-            self.resume_how = how = "auto_resume" if asked is None else f"--ckpt_path {asked}"
-            check_resume_overrides(saved, config.model, explicit_keys(self.explicit_of(subcommand), "model"), how)
-        hparams = {k: v for k, v in saved.model.items() if k != "_instantiator"}
-        if "_class_path" in hparams:  # a model configured by class_path, as LightningCLI stores it
-            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
-        if hparams:  # the checkpoint's hyperparameters over the config's, as LightningCLI merges them
-            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
-        if subcommand != "fit":
-            self._evaluate_as_saved(subcommand, saved)
-
-    def _evaluate_as_saved(self, subcommand: str, saved: SavedRun) -> None:
-        """validate, test and predict of a saved model: the run's data class and evaluation transform, unless the
-        user set them."""
-        explicit = self.explicit_of(subcommand)
-        data = self.config[subcommand].data
-        # The parse without defaults still names the default class: only another one counts as the user's.
-        named = explicit_class(explicit, "data")
-        update = evaluation_data(data_args(self.config[subcommand]), explicit_keys(explicit, "data"), saved,
-                                 subcommand, data.class_path, None if _is_default_data(named) else named)
-        if update:
-            self.config = self.parser.parse_object({subcommand: {"data": update}}, self.config)
-
-    def _from_model_folder(self, subcommand: str, folder: str) -> None:
-        """--model.net.weights FOLDER (`imgcls publish`): its network always; for validate, test and predict also its
-        classes and input contract, as a checkpoint's (the weights are loaded by _ModelInstantiator)."""
-        saved = published_run(folder)
-        model = saved.model if subcommand != "fit" else {k: saved.model[k] for k in network_kwargs_of(saved.model)}
-        # The folder's network, still pointing at the folder: _ModelInstantiator loads its weights from there.
-        if "weights" in model["net"]["init_args"]:
-            model = {**model, "net": {**model["net"], "init_args": {**model["net"]["init_args"], "weights": folder}}}
-        if subcommand != "fit":
-            self.saved_run = saved
-        rank_zero_info(f"{subcommand}: the network of the model folder model.net.weights={folder}"
-                       + ("" if subcommand == "fit" else ", with its classes and preprocessing"))
-        self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
-        if subcommand != "fit":
-            self._evaluate_as_saved(subcommand, saved)
-
-    def _checkpoint_to_evaluate(self, subcommand: str, config) -> str | None:
-        """validate, test or predict without --ckpt_path: the run directory's best checkpoint, else the pretrained
-        weights (said in one line), else a refusal: an untrained network is never evaluated in silence."""
-        if is_model_folder(net_weights(config.model.get("net"))):
-            return None  # the model folder's own weights (_from_model_folder)
-        folder = run_dir(config)
-        found = best_checkpoint_of(folder, checkpoint_folders(config))
-        if found is not None:
-            path, score = found
-            rank_zero_info(f"{subcommand}: no --ckpt_path, so the best checkpoint of {folder}: {path}"
-                           + (f" ({score})" if score else ""))
-            return path
-        weights = net_weights(config.model.get("net"))
-        if weights:
-            rank_zero_info(f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: evaluating "
-                           f"the pretrained weights model.net.weights={weights} with an untrained head")
-            return None
-        raise NoCheckpointError(
-            f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: the network is untrained; "
-            f"pass --ckpt_path RUN/checkpoints/last.ckpt (or --config RUN/config.yaml of a trained run)")
+        # Before LightningCLI reads the hyperparameters of --ckpt_path: `last`, auto_resume and a broken checkpoint
+        # resolved to an intact file, and a resume checked against the run it would continue.
+        resolve_checkpoint(self)
 
     def explicit_of(self, subcommand: str):
         return self.explicit.get(subcommand) if self.explicit is not None else None
 
     def before_instantiate_classes(self) -> None:
         # The model and data instantiators replace the two Lightning has added (the same keys); the loggers' is ours.
-        self.parser.add_instantiator(_ModelInstantiator(cli=self, key="model"), ImageClassifier,
+        self.parser.add_instantiator(ModelInstantiator(cli=self, key="model"), ImageClassifier,
                                     subclasses=self.subclass_mode_model)
-        self.parser.add_instantiator(_DataInstantiator(cli=self, key="data"), ClassificationData,
+        self.parser.add_instantiator(DataInstantiator(cli=self, key="data"), ClassificationData,
                                     subclasses=self.subclass_mode_data)
         self.parser.add_instantiator(LoggerInstantiator(self), Logger)
         config = self.config[self.subcommand]
-        folder = run_dir(config)
-        config.trainer.default_root_dir = str(folder)
-        loggers = config.trainer.logger
-        for logger in loggers if isinstance(loggers, list) else [loggers]:
-            init = getattr(logger, "init_args", None)
-            if init is not None and "save_dir" in init and init.save_dir in ("", None):
-                init.save_dir = str(folder)
-            if init is not None and self.subcommand != "fit" and init.get("version") == "":
-                # validate/test/predict of a run log into a series of their own (<run>/validate/...), never into
-                # the training curves at step 0.
-                init.version = self.subcommand
-            if init is not None and logger.class_path.endswith("WandbLogger") and wandb_online():
-                init.offline = False
-        for callback in checkpoint_callbacks(config):
-            if callback.init_args.dirpath is None:
-                callback.init_args.dirpath = str(folder / "checkpoints")
+        place_in_run_dir(config, self.subcommand)
+        replaced = one_run_checkpoint(config)
+        if replaced:
+            rank_zero_info(replaced)
+        for logger in config_loggers(config):
+            if getattr(logger, "class_path", "").endswith("WandbLogger") and wandb_online():
+                logger.init_args.offline = False
         if config.trainer.get("enable_progress_bar") is False and config.trainer.callbacks:
             # The shipped configs list a RichProgressBar, which Lightning refuses next to enable_progress_bar=false.
             config.trainer.callbacks = [c for c in config.trainer.callbacks if not c.class_path.endswith("ProgressBar")]
         if self.saved_run is not None and self.subcommand == "predict":
             explicit = explicit_keys(self.explicit_of(self.subcommand), "data")
-            data = data_args(config)
+            data = config.data.init_args
             if "root" in data and not set_by_user("root", explicit):
                 data.root = None  # the classes come from the checkpoint: no data folder needed
 
@@ -466,74 +213,6 @@ class ImgclsCLI(LightningCLI):
         rank_zero_info(closing_summary(trainer, best, score, monitor, lasts))
 
 
-class _ModelInstantiator(_InstantiatorFn):
-    """With a ckpt_path (validate, test, predict, a resumed fit) the checkpoint overwrites every weight, so the
-    network is built without its `weights` argument (model.net.weights): no download, which offline machines cannot
-    make. The hyperparameters come from the config, so config.yaml and new checkpoints keep the configured weights for
-    a fresh fit."""
-
-    def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
-        net = kwargs.get("net")
-        weights = net_weights(net)
-        folder = weights if is_model_folder(weights) else None
-        if folder is not None:  # loaded below, with the head when it fits (the same classes)
-            kwargs["net"] = without_pretrained_weights(net)
-        elif self.cli.config[self.cli.subcommand].get("ckpt_path") and without_pretrained_weights(net) is not net:
-            rank_zero_info(f"model.net.weights={weights} not loaded: the checkpoint supplies every weight")
-            kwargs["net"] = without_pretrained_weights(net)
-        model = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs)
-        if folder is not None:
-            head = load_network_weights(model.net, folder, head=True)
-            rank_zero_info(f"model.net.weights={folder}: loaded the network" + ("" if head else
-                           "'s backbone (other classes: a new head)"))
-        return model
-
-
-class _DataInstantiator(_InstantiatorFn):
-    """The classes of a command run from a checkpoint are the checkpoint's: `predict` takes them whatever the data
-    folder holds (with `data.root: null` there is none), `validate` and `test` check the folder's against them, and a
-    resumed fit checks that the data is its run's (training.records.saved_run)."""
-
-    def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
-        datamodule = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
-                                      **kwargs)
-        cli, saved = self.cli, self.cli.saved_run
-        config = cli.config[cli.subcommand]
-        if saved is None or saved.class_names is None:
-            return datamodule
-        root = data_args(config).get("root")
-        if cli.subcommand == "fit":  # the same run (its classes and data), and not finished
-            check_same_data(saved, root, datamodule.class_names, cli.resume_how)
-            check_unfinished(saved, config.trainer.max_epochs, config.trainer.max_steps, cli.resume_how)
-            return datamodule
-        multilabel = bool(saved.model.get("multilabel"))
-        if cli.subcommand != "predict":
-            datamodule.class_names = check_classes(datamodule.class_names, saved, root, cli.subcommand)
-            if datamodule.multilabel != multilabel:
-                kinds = {True: "multi-label", False: "single-label"}
-                raise ClassMismatchError(f"the checkpoint {saved.path} is {kinds[multilabel]} and data.root="
-                                         f"{root} is {kinds[datamodule.multilabel]}")
-        datamodule.class_names, datamodule.multilabel = saved.class_names, multilabel
-        return datamodule
-
-
-def _is_default_data(class_path: str | None) -> bool:
-    """Whether `class_path` names the default data class (by any of its import paths), or none."""
-    if not class_path:
-        return True
-    module, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name) is ImageFolderDataModule
-    except (ImportError, AttributeError):
-        return False
-
-
-def data_args(config) -> Namespace:
-    """The data source's arguments in a command's config: `data.init_args` (the config names its class by
-    `data.class_path`)."""
-    return config.data.init_args
-
-
 def explicit_values(parser: LightningArgumentParser, args):
     """What a config file or the command line set, without the defaults (None if that parse fails): the values the
     user chose, which a checkpoint's own must not replace in silence."""
@@ -571,7 +250,7 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
             trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
             auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
             parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
-            parser_class=_ArgumentParser,
+            parser_class=OneLineErrorParser,
         )
     except SystemExit:  # Preemption's exit after its checkpoint, which every rank agreed on (or --help: no group yet)
         destroy_process_groups()

@@ -1,5 +1,5 @@
 """The loggers a run is built with: Lightning's TensorBoard, CSV and W&B loggers, which keep one continuous curve
-across resumes and kills; W&B's command line masked; the instantiator that builds them for every config.
+across resumes and kills; W&B's command line masked (built by training/cli/instantiators.py).
 
 A fit that starts at optimizer step N (0, or the step of the checkpoint it resumes from) logs steps N and up; what an
 earlier process logged at steps N and up was lost work that this fit does again (a kill after the checkpoint), so the
@@ -21,13 +21,11 @@ import csv
 import math
 import os
 import sys
-from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
-from training.records.run_dir import WANDB_RUN_ID_FILE, run_dir
 from training.records.secrets import redact_secrets
 
 
@@ -150,23 +148,3 @@ def wandb_online() -> bool:
 RESUMABLE: dict[type[Logger], type[Logger]] = {CSVLogger: ResumableCSVLogger, TensorBoardLogger:
                                                ResumableTensorBoardLogger, WandbLogger: SecretSafeWandbLogger}
 
-
-class LoggerInstantiator:
-    """Builds each of Lightning's TensorBoard, CSV and W&B loggers as its resumable class (RESUMABLE); a fit resumed
-    from a checkpoint continues the W&B run of its run directory instead of starting a second one.
-    The W&B id is read here rather than put in the config, so that config.yaml, rerun elsewhere (a sweep's best.yaml,
-    say), starts a W&B run of its own."""
-
-    def __init__(self, cli) -> None:
-        self.cli = cli
-
-    def __call__(self, class_type, *args, **kwargs):
-        if class_type is WandbLogger:
-            config = self.cli.config[self.cli.subcommand]
-            saved = Path(run_dir(config)) / WANDB_RUN_ID_FILE
-            if self.cli.subcommand == "fit" and config.ckpt_path and kwargs.get("id") is None \
-                    and kwargs.get("version") is None and saved.is_file():
-                # resume explicitly: jsonargparse passes every wandb.init argument, None included, over Lightning's
-                # "allow"
-                kwargs.update(id=saved.read_text().strip(), resume="allow")
-        return RESUMABLE.get(class_type, class_type)(*args, **kwargs)

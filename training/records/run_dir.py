@@ -32,6 +32,31 @@ def checkpoint_folders(config) -> list[Path]:
     return [Path(c.init_args.dirpath) for c in checkpoint_callbacks(config) if c.init_args.dirpath]
 
 
+def place_in_run_dir(config, subcommand: str) -> Path:
+    """Point what a subcommand's config leaves unset into its run directory, and return it: trainer.default_root_dir,
+    the loggers' empty save_dir, the ModelCheckpoints' dirpath (`<run>/checkpoints`)."""
+    folder = run_dir(config)
+    config.trainer.default_root_dir = str(folder)
+    for logger in config_loggers(config):
+        init = getattr(logger, "init_args", None)
+        if init is not None and "save_dir" in init and init.save_dir in ("", None):
+            init.save_dir = str(folder)
+        if init is not None and subcommand != "fit" and init.get("version") == "":
+            # validate/test/predict of a run log into a series of their own (<run>/validate/...), never into the
+            # training curves at step 0.
+            init.version = subcommand
+    for callback in checkpoint_callbacks(config):
+        if callback.init_args.dirpath is None:
+            callback.init_args.dirpath = str(folder / "checkpoints")
+    return folder
+
+
+def config_loggers(config) -> list:
+    """The logger entries of a subcommand's config (not yet instantiated; `True` or `False` as given)."""
+    loggers = config.trainer.logger
+    return loggers if isinstance(loggers, list) else [loggers]
+
+
 def git_state() -> dict[str, str | bool]:
     """The commit of the code that runs, and whether tracked files differ from it ("unknown" outside a checkout)."""
     repo = Path(__file__).resolve().parents[1]

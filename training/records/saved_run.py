@@ -123,6 +123,20 @@ class SavedRun:
         return str(self.path), None
 
 
+def checkpoint_file(ckpt_path: str | Path) -> Path:
+    """`ckpt_path` as one checkpoint file, for the commands that read one (export, publish): a sharded checkpoint (a
+    folder, training.distributed.fsdp) is refused with the command that makes one file of it, a missing file too."""
+    ckpt_path = Path(ckpt_path)
+    if ckpt_path.is_dir():
+        raise ValueError(f"--ckpt_path {ckpt_path} is a sharded checkpoint (a folder); make one file of it first: "
+                         f"python -m training.distributed.fsdp {ckpt_path} "
+                         f"{ckpt_path.with_name(ckpt_path.stem + '-full.ckpt')}")
+    if not ckpt_path.is_file():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist; pass a checkpoint of imgcls fit, e.g. "
+                                "RUN/checkpoints/last.ckpt")
+    return ckpt_path
+
+
 def explicit_keys(explicit, section: str) -> set[str] | None:
     """The keys of `section` ("data", "model") that a config file or the command line set; None when unknown."""
     if explicit is None:

@@ -16,7 +16,7 @@ from training.resume.exact import ExactResume
 from training.resume.non_finite import NonFiniteLossGuard
 from training.resume.preemption import Preemption
 
-__all__ = ["CurvesAcrossResumes", "ExactResume", "NonFiniteLossGuard", "Preemption", "fault_callbacks"]
+__all__ = ["CurvesAcrossResumes", "ExactResume", "NonFiniteLossGuard", "Preemption"]
 
 
 def fault_callbacks() -> list:
