@@ -22,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from core import hardware
 from core.config_types import NonNegativeFloat, NonNegativeInt, PositiveInt, check_arguments
+from core.seeding import run_seed
 from datamodules.datasets import SeededImages, SeededItems, collate_images
 from datamodules.device_batches import DeviceBatches
 from datamodules.presets import float_transform
@@ -160,7 +161,7 @@ class ClassificationData(DeviceBatches):
         before, and a resume that replays an epoch's end makes one more: it would skip a shuffle. The seed is
         Lightning's (seed_everything), as for the sampler Lightning would add itself.
         """
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        seed = run_seed()
         if self.repeated_augmentation > 1:
             return RepeatedAugmentationSampler(dataset, world, rank, repeats=self.repeated_augmentation, seed=seed)
         if self.sampling == "balanced":

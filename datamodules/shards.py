@@ -25,7 +25,7 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming.downloader import get_downloader
 from litdata.streaming.sampler import ChunkedIndex
 
-from core.seeding import draw_seed, seeded_cpu_draws
+from core.seeding import draw_seed, run_seed, seeded_cpu_draws
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.datasets import UnreadableImageError
 from datamodules.image_data import ImageData, Transforms
@@ -239,7 +239,7 @@ class ShardsDataModule(ImageData):
             raise ValueError(f"data.root is required for {stage}; pass --data.root SHARDS_FOLDER_OR_URL")
         if stage in ("fit", "validate") and self.train_set is None:
             self.train_set = training_split(self.root, transforms.train, encoded=transforms.train_encoded,
-                                            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), batch_size=self.batch_size,
+                                            seed=run_seed(), batch_size=self.batch_size,
                                             world_size=self.trainer.world_size if self.trainer else 1,
                                             count=self.shard_counts["train"])
             self.val_set = ShardImages(split_dir(self.root, "val"), transforms.eval, encoded=transforms.eval_encoded)
