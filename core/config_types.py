@@ -12,7 +12,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from jsonargparse.typing import (
@@ -42,7 +42,7 @@ RULES: dict[type, str] = {
 }
 _RULE_BY_NAME = {kind.__name__: rule for kind, rule in RULES.items()}
 __all__ = ["ClosedUnitInterval", "ImageSide", "NonNegativeFloat", "NonNegativeInt", "OpenUnitInterval", "PositiveFloat",
-           "PositiveInt", "UnitIntervalRightOpen", "check_arguments", "plain_parser_error"]
+           "PositiveInt", "UnitIntervalRightOpen", "check_arguments", "instantiate", "plain_parser_error"]
 
 
 def check_arguments(prefix: str, function: Callable, values: dict[str, Any]) -> None:
@@ -58,6 +58,16 @@ def check_arguments(prefix: str, function: Callable, values: dict[str, Any]) -> 
             null = ", or null" if type(None) in members else ""
             raise ValueError(f"{prefix}.{key}={value!r} {rules[0]}{null}")
         raise ValueError(f"{prefix}.{key}={value!r} is unknown; choose {_choices(members)}")
+
+
+def instantiate(kind: Any, config: Mapping) -> Any:
+    """The object of a class_path and init_args config (nested ones too) of type `kind`, as LightningCLI's parser
+    builds it from a config file: the same rules, the same defaults."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--value", type=kind)
+    return parser.instantiate(parser.parse_object({"value": dict(config)})).value
 
 
 def class_path_error(message: str) -> str | None:
