@@ -42,10 +42,12 @@ log = logging.getLogger(__name__)
 Sampling = Literal["random", "balanced"]  # data.sampler
 
 
-def check_fields(data, cls: type) -> None:
-    """The annotated ranges and choices of the fields that dataclass `cls` declares itself, as `data` holds them."""
-    own = set(vars(cls).get("__annotations__", {}))
-    check_arguments("data", cls, {f.name: getattr(data, f.name) for f in fields(cls) if f.name in own})
+def check_fields(data) -> None:
+    """The annotated ranges and choices of every dataclass field of `data`, checked by the class that declares it."""
+    for cls in reversed(type(data).__mro__):
+        if "__dataclass_fields__" in vars(cls):
+            own = set(vars(cls).get("__annotations__", {}))
+            check_arguments("data", cls, {f.name: getattr(data, f.name) for f in fields(cls) if f.name in own})
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -108,7 +110,7 @@ class ClassificationData(L.LightningDataModule):
     """Page-locked host memory for faster copies; null means "when training on CUDA"."""
 
     def __post_init__(self) -> None:
-        check_fields(self, ClassificationData)
+        check_fields(self)  # the annotated ranges and choices, the subclasses' fields too
         super().__init__()
         self.save_hyperparameters()  # every field, the subclasses' too
         # Paths saved as strings: checkpoints load weights_only, which refuses Paths.

@@ -10,7 +10,6 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from core.config_types import OpenUnitInterval
-from datamodules.base import check_fields
 from datamodules.files import FileSplits, Samples
 from datamodules.image_data import ImageData
 from datamodules.images import read_image_list
@@ -71,10 +70,6 @@ class CsvDataModule(ImageData):
     """Fraction of train.csv held out, seeded and stratified by class, when there is no val.csv."""
     split_seed: int = 0
     """Seed of that split; the same split on every process and every run."""
-
-    def __post_init__(self) -> None:
-        check_fields(self, CsvDataModule)
-        super().__post_init__()
 
     def listing(self) -> CsvSplits | None:
         return CsvSplits(Path(self.root).expanduser(), self.val_split, self.split_seed) if self.root else None

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from core.config_types import OpenUnitInterval
-from datamodules.base import check_fields
 from datamodules.datasets import SeededImages
 from datamodules.image_data import ImageData, Transforms
 from datamodules.images import decode_bytes
@@ -93,7 +92,6 @@ class HFDataModule(ImageData):
     """Seed of that split; the same split on every process and every run."""
 
     def __post_init__(self) -> None:
-        check_fields(self, HFDataModule)
         super().__post_init__()
         self.folder = Path(self.root).expanduser() if self.root else None
         self.splits: dict | None = None

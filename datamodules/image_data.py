@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from core.config_types import ImageSide
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
-from datamodules.base import ClassificationData, check_fields
+from datamodules.base import ClassificationData
 from datamodules.datasets import ImageFiles, PredictImages, collate_encoded
 from datamodules.device_batches import DeviceBatches
 from datamodules.files import FileSplits
@@ -98,7 +98,6 @@ class ImageData(ClassificationData):
     since. false decodes every image at every start."""
 
     def __post_init__(self) -> None:
-        check_fields(self, ImageData)
         super().__post_init__()
         train, evaluate = self._place_transforms()
         self.train_transform, self.eval_transform = train, evaluate

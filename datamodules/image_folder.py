@@ -10,7 +10,6 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from core.config_types import OpenUnitInterval
-from datamodules.base import check_fields
 from datamodules.files import FileSplits, Samples
 from datamodules.image_data import ImageData
 from datamodules.images import is_multilabel
@@ -51,10 +50,6 @@ class ImageFolderDataModule(ImageData):
     """Fraction of train/ held out, seeded (and stratified by class, single-label), when there is no val/."""
     split_seed: int = 0
     """Seed of that split; the same split on every process and every run."""
-
-    def __post_init__(self) -> None:
-        check_fields(self, ImageFolderDataModule)
-        super().__post_init__()
 
     def listing(self) -> FolderSplits | None:
         return FolderSplits(Path(self.root).expanduser(), self.val_split, self.split_seed) if self.root else None
