@@ -59,8 +59,9 @@ class ClassificationData(L.LightningDataModule):
 
     What a subclass provides:
 
-    - in ``__init__``, after ``super().__init__(...)`` (the CLI links these into the model before either is built,
-      so they must be cheap: a listing, no decoding):
+    - in ``__init__``, after ``super().__init__(...)`` (or, a dataclass as the shipped sources are, in
+      ``__post_init__`` after the base's; the CLI links these into the model before either is built, so they must be
+      cheap: a listing, no decoding):
       ``class_names``, the class names in target-index order (None only for ``predict`` from a checkpoint, which
       carries them); ``multilabel``, True when each target is a multi-hot row (default False); and, where the
       source preprocesses images itself, the ``input_contract`` property (`datamodules.transforms.contract_of`:
@@ -112,7 +113,7 @@ class ClassificationData(L.LightningDataModule):
     def __post_init__(self) -> None:
         check_fields(self)  # the annotated ranges and choices, the subclasses' fields too
         super().__init__()
-        self.save_hyperparameters()  # every field, the subclasses' too
+        self.save_hyperparameters()  # every field; from the CLI, the config the source was built from
         # Paths saved as strings: checkpoints load weights_only, which refuses Paths.
         self.hparams.update({k: os.fspath(v) for k, v in self.hparams.items() if isinstance(v, os.PathLike)})
         # A plain int: jsonargparse passes PositiveInt, which the link into the model would put into its checkpoints.
