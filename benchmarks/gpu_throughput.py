@@ -39,7 +39,7 @@ def step_flops(batch: int, arch: str, size: int, device: str) -> float:
 
 
 def device_augment_rate(batch: int, batches: int, count: int, size: int, device: str) -> float:
-    """Images/s of `augment_batch` on the device: files read beforehand, so only the device's work is timed."""
+    """Images/s of `DeviceBatches.augment` on the device: files read beforehand, so only the device's work is timed."""
     dm = ImageFolderDataModule(root=str(photo_folder(count)), batch_size=batch, num_workers=0, image_size=size,
                                augment_on_device=True)
     dm.setup("fit")
@@ -47,7 +47,7 @@ def device_augment_rate(batch: int, batches: int, count: int, size: int, device:
     read = [next(loader)[0] for _ in range(batches)]
 
     def run(items):
-        return dm.float_transform(dm.augment_batch(items, device, train=True))
+        return dm.device_batches.to_float(dm.device_batches.augment(items, device, train=True))
 
     run(read[0])  # warm-up: nvJPEG handles, kernels
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None

@@ -39,14 +39,15 @@ def write_folder(folder: Path, arch: str, size: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from datamodules.presets import input_contract
+    from datamodules.presets import ClassificationPresetEval
+    from datamodules.transforms import contract_of
     from deploy.publish import model_config
     from lightning_modules import ImageClassifier
     from lightning_modules.pretrained import network_factory
     from training.records.saved_run import SavedRun
 
     torch.manual_seed(0)
-    contract = input_contract("imagenet", size)
+    contract = contract_of(ClassificationPresetEval(image_size=size))
     net = {"class_path": "lightning_modules.network.BackboneWithHead", "init_args": {"arch": arch, "head_hidden": 1024}}
     model = ImageClassifier(num_classes=10, net=network_factory(net), levers={"channels_last": False},
                             input_contract=contract)
@@ -63,10 +64,11 @@ def plain_server(folder: str, port: int) -> None:
 
     import torch
 
-    from deploy.serve import decode_image, eval_transform, load_served
+    from datamodules.transforms import eval_pipeline
+    from deploy.serve import decode_image, load_served
 
     served = load_served(folder)
-    transform, lock = eval_transform(served.contract), threading.Lock()
+    transform, lock = eval_pipeline(served.contract), threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name

@@ -57,7 +57,8 @@ def _quickstart_recipe() -> dict:
                 weight_decay=optimizer["init_args"]["weight_decay"],
                 warmup_epochs=schedule["init_args"]["warmup_epochs"],
                 label_smoothing=model["loss"]["init_args"]["label_smoothing"],
-                batch=data["batch_size"], image_size=data["image_size"], epochs=config["trainer"]["max_epochs"],
+                batch=data["batch_size"], image_size=data["train_transform"]["init_args"]["image_size"],
+                epochs=config["trainer"]["max_epochs"],
                 seed=config["seed_everything"])
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from jsonargparse.typing import (
@@ -37,7 +37,7 @@ RULES: dict[type, str] = {
     ImageSide: "is below 32, too small for a ResNet (5 stride-2 stages)",
 }
 __all__ = ["ClosedUnitInterval", "ImageSide", "NonNegativeFloat", "NonNegativeInt", "OpenUnitInterval", "PositiveFloat",
-           "PositiveInt", "UnitIntervalRightOpen", "RULES", "check_arguments"]
+           "PositiveInt", "UnitIntervalRightOpen", "RULES", "check_arguments", "instantiate"]
 
 
 def check_arguments(prefix: str, function: Callable, values: dict[str, Any]) -> None:
@@ -53,6 +53,16 @@ def check_arguments(prefix: str, function: Callable, values: dict[str, Any]) -> 
             null = ", or null" if type(None) in members else ""
             raise ValueError(f"{prefix}.{key}={value!r} {rules[0]}{null}")
         raise ValueError(f"{prefix}.{key}={value!r} is unknown; choose {_choices(members)}")
+
+
+def instantiate(kind: Any, config: Mapping) -> Any:
+    """The object of a class_path and init_args config (nested ones too) of type `kind`, as LightningCLI's parser
+    builds it from a config file: the same rules, the same defaults."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--value", type=kind)
+    return parser.instantiate(parser.parse_object({"value": dict(config)})).value
 
 
 def _members(annotation: Any) -> tuple:

@@ -10,6 +10,11 @@ from contextlib import contextmanager
 import torch
 
 
+def run_seed() -> int:
+    """The run's seed: what Lightning's seed_everything exported (PL_GLOBAL_SEED), 0 without one."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
 def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = None) -> int:
     """A seed from (run seed, training batch index, rank, stream), so that random draws depend only on the batch: a
     resumed run draws what the uninterrupted one drew, and each micro-batch of an accumulated step draws its own.
@@ -18,7 +23,7 @@ def batch_seed(batch: int, rank: int, *, stream: int = 0, base: int | None = Non
     keeps independent users (dropout, device augmentation) from drawing the same numbers; `base` defaults to the
     run's seed_everything seed.
     """
-    base = int(os.environ.get("PL_GLOBAL_SEED", 0)) if base is None else base
+    base = run_seed() if base is None else base
     return (((base * 1_000_003 + batch) * 1_009 + rank) * 7 + stream) % (2**63)
 
 

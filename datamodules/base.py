@@ -12,43 +12,66 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Literal
 
+import lightning as L
 import numpy as np
+import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from core import hardware
-from core.config_types import NonNegativeFloat, NonNegativeInt, PositiveInt, check_arguments
+from core.config_types import NonNegativeFloat, NonNegativeInt, PositiveInt, check_arguments, instantiate
+from core.seeding import run_seed
 from datamodules.datasets import SeededImages, SeededItems, collate_images
 from datamodules.device_batches import DeviceBatches
-from datamodules.presets import float_transform
-from datamodules.samplers import BalancedSampler, RepeatedAugmentationSampler, SeededDraws, worker_init
+from datamodules.samplers import (
+    BalancedSampler,
+    RepeatedAugmentationSampler,
+    SeededDraws,
+    refuse_balanced_multilabel,
+    worker_init,
+)
 
 log = logging.getLogger(__name__)
 
 Sampling = Literal["random", "balanced"]  # data.sampler
 
 
-class ClassificationData(DeviceBatches):
-    """Labelled images for `ImageClassifier`: subclass it, and ``--data.class_path your_module.YourData`` plugs it in.
+def check_fields(data) -> None:
+    """The annotated ranges and choices of every dataclass field of `data`, checked by the class that declares it."""
+    for cls in reversed(type(data).__mro__):
+        if "__dataclass_fields__" in vars(cls):
+            own = set(vars(cls).get("__annotations__", {}))
+            check_arguments("data", cls, {f.name: getattr(data, f.name) for f in fields(cls) if f.name in own})
+
+
+@dataclass(eq=False, repr=False, kw_only=True)
+class ClassificationData(L.LightningDataModule):
+    """Labelled images for `ImageClassifier`; ``--data.help datamodules.NAME`` lists the arguments of source NAME.
+
+    The shipped sources: ImageFolderDataModule (the default), CsvDataModule, HFDataModule and ShardsDataModule.
+    Subclass it, and ``--data.class_path your_module.YourData`` plugs yours in.
 
     What a subclass provides:
 
-    - in ``__init__``, after ``super().__init__(...)`` (the CLI links these into the model before either is built,
-      so they must be cheap: a listing, no decoding):
+    - in ``__init__``, after ``super().__init__(...)`` (or, a dataclass as the shipped sources are, in
+      ``__post_init__`` after the base's; the CLI links these into the model before either is built, so they must be
+      cheap: a listing, no decoding):
       ``class_names``, the class names in target-index order (None only for ``predict`` from a checkpoint, which
       carries them); ``multilabel``, True when each target is a multi-hot row (default False); and, where the
       source preprocesses images itself, the ``input_contract`` property (`datamodules.transforms.contract_of`:
       the evaluation preprocessing, which the model keeps in its checkpoints; default None);
     - in ``setup(stage)``, the map-style datasets the loaders read: ``train_set`` and ``val_set`` (fit, validate),
       ``test_set`` (test), ``predict_set`` (predict). Each yields ``(image, target)``: a (3, H, W) float tensor, or
-      uint8 (converted and normalised on the device by ``float_transform``: the evaluation transform's mean and
-      std); a class index, or a float multi-hot row of ``num_classes``. ``predict_set`` yields ``(image, index)``
-      and has ``paths`` (a name per index, written in predictions.csv). ``train_set.targets`` (one class index per
-      sample) is needed by ``sampler: balanced``.
+      uint8 (converted on the device by ``device_batches``: scaled to [0, 1], and for the image sources normalised
+      with the evaluation transform's mean and std); a class index, or a float multi-hot row of ``num_classes``.
+      ``predict_set`` yields ``(image, index)`` and has ``paths`` (a name per index, written in predictions.csv).
+      ``train_set.targets`` (one class index per sample) is needed by ``sampler: balanced``.
 
     What this class does with them:
 
@@ -62,55 +85,52 @@ class ClassificationData(DeviceBatches):
       samplers that give each image to exactly one rank;
     - batches: ``(x, y, *seeds)``: images (B, 3, H, W), targets (B,) int64 or (B, C) float, and with
       ``augment_on_device`` the training draws' seeds (B,) int64. ``on_after_batch_transfer`` hands the model
-      ``(x, y)``, float and normalised;
+      ``(x, y)``, float and normalised (`DeviceBatches`, held as ``device_batches``);
     - ``state_dict``: the count of training batches this run has transferred (the seed of a batch that comes
       without per-draw seeds), restored on resume.
-
-    Args:
-        batch_size: images per device and step; the global batch is world size x batch_size x accumulation.
-        num_workers: loader processes per device; null chooses from the hardware (core/hardware.py): none
-            on a CPU-trained model (decoded between steps), the node's CPUs shared by the GPUs (at most 8) on CUDA.
-        sampler: ``random`` (each training image once per epoch) or ``balanced``: as many draws as images, with
-            replacement, weighted by class frequency ** -balance_power, shared out disjointly among the ranks.
-        balance_power: 1 draws every class equally often, 0.5 halfway (square-root sampling), 0 is uniform.
-        repeated_augmentation: draw each training image this many times per draw, its copies on different ranks
-            and augmented differently (3 in torchvision's V2 recipe); an epoch keeps its length. 1 is off.
-        prefetch_factor: batches each worker loads ahead.
-        persistent_workers: keep loader processes alive between epochs.
-        pin_memory: page-locked host memory for faster copies; null means "when training on CUDA".
     """
 
-    def __init__(
-        self,
-        batch_size: PositiveInt = 64,
-        num_workers: NonNegativeInt | None = None,
-        sampler: Sampling = "random",
-        balance_power: NonNegativeFloat = 1.0,
-        repeated_augmentation: PositiveInt = 1,
-        prefetch_factor: PositiveInt = 2,
-        persistent_workers: bool = True,
-        pin_memory: bool | None = None,
-    ) -> None:
-        check_arguments("data", ClassificationData.__init__, locals())  # the annotated ranges and choices
+    batch_size: PositiveInt = 64
+    """Images per device and step; the global batch is world size x batch_size x accumulation."""
+    num_workers: NonNegativeInt | None = None
+    """Loader processes per device; null chooses from the hardware (core/hardware.py): none on a CPU-trained model
+    (decoded between steps), the node's CPUs shared by the GPUs (at most 8) on CUDA."""
+    sampler: Sampling = "random"
+    """``random`` (each training image once per epoch) or ``balanced``: as many draws as images, with replacement,
+    weighted by class frequency ** -balance_power, shared out disjointly among the ranks."""
+    balance_power: NonNegativeFloat = 1.0
+    """1 draws every class equally often, 0.5 halfway (square-root sampling), 0 is uniform."""
+    repeated_augmentation: PositiveInt = 1
+    """Draw each training image this many times per draw, its copies on different ranks and augmented differently (3
+    in torchvision's V2 recipe); an epoch keeps its length. 1 is off."""
+    prefetch_factor: PositiveInt = 2
+    """Batches each worker loads ahead."""
+    persistent_workers: bool = True
+    """Keep loader processes alive between epochs."""
+    pin_memory: bool | None = None
+    """Page-locked host memory for faster copies; null means "when training on CUDA"."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # the annotated ranges and choices, the subclasses' fields too
         super().__init__()
-        self.save_hyperparameters()  # every class's arguments, the subclasses' too (Lightning reads their frames)
+        self.save_hyperparameters()  # every field; from the CLI, the config the source was built from
         # Paths saved as strings: checkpoints load weights_only, which refuses Paths.
         self.hparams.update({k: os.fspath(v) for k, v in self.hparams.items() if isinstance(v, os.PathLike)})
         # A plain int: jsonargparse passes PositiveInt, which the link into the model would put into its checkpoints.
-        self.batch_size, self.num_workers = int(batch_size), num_workers
-        self.sampling, self.balance_power, self.repeated_augmentation = sampler, balance_power, repeated_augmentation
-        if sampler == "balanced" and repeated_augmentation > 1:
+        self.batch_size = int(self.batch_size)
+        if self.sampler == "balanced" and self.repeated_augmentation > 1:
             raise ValueError("data.sampler=balanced and data.repeated_augmentation > 1 are two samplers; choose one")
-        self.prefetch_factor, self.persistent_workers, self.pin_memory = prefetch_factor, persistent_workers, pin_memory
         self.class_names: list[str] | None = None
         self.multilabel = False
         self.train_set = self.val_set = self.test_set = self.predict_set = None
         self.collate_fn = collate_images  # batch of (image, target) -> (x, y)
-        # What DeviceBatches reads: a uint8 batch -> float in [0, 1]; no schedule; nothing augmented on the device.
-        self.float_transform = float_transform("none")
-        self.progressive_resizing: dict[int, int] | None = None
-        self._device_transforms: dict[str, object] = {}
-        self.training_batches = 0  # training batches transferred this run (DeviceBatches), kept in checkpoints
+        self.device_batches = DeviceBatches()  # uint8 -> float in [0, 1]; no schedule; nothing augmented there
+        self.training_batches = 0  # training batches transferred this run, kept in checkpoints
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> ClassificationData:
+        """The data source of a config's ``data`` section (class_path and init_args), built as the CLI builds it."""
+        return instantiate(cls, config)
 
     @property
     def num_classes(self) -> int | None:
@@ -160,14 +180,12 @@ class ClassificationData(DeviceBatches):
         before, and a resume that replays an epoch's end makes one more: it would skip a shuffle. The seed is
         Lightning's (seed_everything), as for the sampler Lightning would add itself.
         """
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        seed = run_seed()
         if self.repeated_augmentation > 1:
             return RepeatedAugmentationSampler(dataset, world, rank, repeats=self.repeated_augmentation, seed=seed)
-        if self.sampling == "balanced":
+        if self.sampler == "balanced":
             targets = np.asarray(dataset.targets)
-            if targets.ndim != 1:
-                raise ValueError("data.sampler=balanced weights each image by its class, and this data is "
-                                 "multi-label; use data.sampler: random")
+            refuse_balanced_multilabel(self.sampler, targets.ndim != 1, "this data")
             return BalancedSampler(targets, world, rank, power=self.balance_power, seed=seed)
         return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
 
@@ -203,6 +221,22 @@ class ClassificationData(DeviceBatches):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_set, train=False)  # Lightning adds its unrepeated sampler under DDP
+
+    # ---- batches on the device ----------------------------------------------------------------------------
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        x, y, *seeds = batch
+        if isinstance(x, list):  # augment_on_device: the files stay in host memory, where nvJPEG reads them from
+            return (x, y.to(device, non_blocking=True), *seeds)  # the seeds stay on the host: the CPU draws
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """Images -> float32, normalized, on the device (`device_batches`); the targets or indices are kept."""
+        trainer = self.trainer
+        index = None
+        if trainer is not None and trainer.training:  # the batch's index among the run's training batches
+            index, self.training_batches = self.training_batches, self.training_batches + 1
+        return self.device_batches.finish(batch, index=index, trainer=trainer)
 
     # ---- checkpointed state ---------------------------------------------------------------------------------
 

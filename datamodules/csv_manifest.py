@@ -6,9 +6,12 @@
 from __future__ import annotations
 
 import csv
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
-from datamodules.files import ImageFileData, Samples
+from core.config_types import OpenUnitInterval
+from datamodules.files import FileSplits, Samples
+from datamodules.image_data import ImageData
 from datamodules.images import read_image_list
 
 
@@ -24,24 +27,11 @@ def read_manifest(file: Path) -> list[tuple[str, str]]:
     return read_image_list(file, "label", required=True)
 
 
-class CsvDataModule(ImageFileData):
-    """Single-label images listed in CSV manifests under `root`: ``train.csv``, ``val.csv`` (optional: else
-    ``val_split`` of train is held out) and ``test.csv`` (optional), each with the header ``path,label``: the image's
-    path relative to `root` (or absolute) and its class name. The classes are the labels train.csv uses, sorted;
-    val.csv and test.csv may use only those. Multi-label data keeps its own layout (a ``labels.csv`` with a
-    ``labels`` column in each split folder), read by `ImageFolderDataModule`.
-
-    Args:
-        root: the folder of the CSV files. May be null for ``predict`` from a checkpoint, which carries the classes.
-        **kwargs: ``val_split`` and ``split_seed`` (`ImageFileData`), the transform settings (`ImageData`: preset,
-            image_size, ...) and the loader settings (`ClassificationData`: batch_size, num_workers, sampler, ...).
-    """
-
-    def __init__(self, root: str | None = None, **kwargs) -> None:
-        super().__init__(root=root, **kwargs)
+class CsvSplits(FileSplits):
+    """train.csv, val.csv and test.csv below the root (`read_manifest`); the classes are the labels train.csv uses."""
 
     def read_classes(self) -> tuple[list[str], bool]:
-        train = self.split_path("train")
+        train = self.path("train")
         if not train.is_file():
             raise FileNotFoundError(f"{train} does not exist: data.root={self.root} must hold train.csv (header "
                                     "path,label), and optionally val.csv and test.csv")
@@ -50,11 +40,11 @@ class CsvDataModule(ImageFileData):
             raise ValueError(f"{train} uses a single class ({classes[0]}); classification needs two or more")
         return classes, False
 
-    def split_path(self, split: str) -> Path:
+    def path(self, split: str) -> Path:
         return self.root / f"{split}.csv"
 
-    def samples_of(self, split: str) -> Samples:
-        file = self.split_path(split)
+    def samples(self, split: str) -> Samples:
+        file = self.path(split)
         rows = read_manifest(file)
         index = {name: i for i, name in enumerate(self.class_names)}
         unknown = sorted({label for _, label in rows} - index.keys())
@@ -62,3 +52,24 @@ class CsvDataModule(ImageFileData):
             raise ValueError(f"{file} uses label(s) {unknown[:10]} that train.csv never does; the model has one output "
                              "per class of train.csv")
         return [(path, index[label]) for path, label in rows]
+
+
+@dataclass(eq=False, repr=False)
+class CsvDataModule(ImageData):
+    """Single-label images listed in CSV manifests under `root`: ``train.csv``, ``val.csv`` (optional: else
+    ``val_split`` of train is held out) and ``test.csv`` (optional), each with the header ``path,label``: the image's
+    path relative to `root` (or absolute) and its class name. The classes are the labels train.csv uses, sorted;
+    val.csv and test.csv may use only those. Multi-label data keeps its own layout (a ``labels.csv`` with a
+    ``labels`` column in each split folder), read by `ImageFolderDataModule`.
+    """
+
+    root: str | None = None
+    """The folder of the CSV files. May be null for ``predict`` from a checkpoint, which carries the classes."""
+    _: KW_ONLY
+    val_split: OpenUnitInterval = 0.1
+    """Fraction of train.csv held out, seeded and stratified by class, when there is no val.csv."""
+    split_seed: int = 0
+    """Seed of that split; the same split on every process and every run."""
+
+    def listing(self) -> CsvSplits | None:
+        return CsvSplits(Path(self.root).expanduser(), self.val_split, self.split_seed) if self.root else None

@@ -76,7 +76,7 @@ class SeededImages(Dataset):
 
     A subclass holds `targets` (int64 class indices, or (N, C) uint8 multi-hot rows) and `transform`, and reads
     sample `index` in `_image(index)` (a decoded uint8 (3, H, W) image, or what the transform decodes itself);
-    `transform` None (augment_on_device) returns what was read, with the draw's seed for `augment_batch`.
+    `transform` None (augment_on_device) returns what was read, with the draw's seed for `DeviceBatches.augment`.
     """
 
     targets: np.ndarray
@@ -108,7 +108,7 @@ class SeededImages(Dataset):
         target = torch.from_numpy(target.astype(np.float32)) if target.ndim else int(target)
         if seed is None:
             return self._load(index), target
-        if self.transform is None:  # augment_on_device: the seed travels with the file to `augment_batch`
+        if self.transform is None:  # augment_on_device: the seed travels with the file to `DeviceBatches.augment`
             return self._load(index), target, seed
         with seeded_cpu_draws(seed):
             return self._load(index), target

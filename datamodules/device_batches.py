@@ -1,64 +1,70 @@
-"""What happens to a training or evaluation batch once it reaches the device: decoding and augmentation there
-(``augment_on_device``), progressive resizing, and the uint8 -> float normalisation."""
+"""What happens to a batch once it reaches the device: decoding and augmentation there (``augment_on_device``),
+progressive resizing, and the uint8 -> float normalisation. A DataModule holds one (`ClassificationData.device_batches`)
+and hands it each batch from ``on_after_batch_transfer``."""
 
 from __future__ import annotations
 
-import lightning as L
+from collections.abc import Callable
+
 import torch
 from torchvision.transforms.v2 import functional as TF
 
 from core.seeding import batch_seed
 from datamodules.datasets import stack_images
 from datamodules.images import decode_images
+from datamodules.presets import float_stage
 
 
-class DeviceBatches(L.LightningDataModule):
-    """The LightningDataModule hooks that finish a batch on the device. The subclass sets `float_transform`,
-    `progressive_resizing` ({epoch: side} or None), `train_image_size`, `_device_transforms` ("train" | "eval" ->
-    the uint8 transform, for augment_on_device) and `training_batches`, the count of training batches transferred so
-    far (which it checkpoints): the index of the batch in hand, without asking the trainer's loops."""
+class DeviceBatches:
+    """The device's part of the pipeline.
 
-    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+    Args:
+        to_float: uint8 (B, 3, H, W) -> float32, scaled and normalised (`presets.float_stage`); default: scaled to
+            [0, 1] only.
+        transforms: ``augment_on_device``: the uint8 training and evaluation transforms by "train" and "eval", run
+            here on the files the workers read; None: the workers transform.
+        schedule: progressive resizing, {epoch: side} sorted by epoch (`presets.check_schedule`), or None.
+        train_size: the training transform's side, in force before the schedule's first entry (None: unstated).
+    """
+
+    def __init__(self, to_float: Callable | None = None, *, transforms: dict[str, Callable] | None = None,
+                 schedule: dict[int, int] | None = None, train_size: int | None = None) -> None:
+        self.to_float = to_float if to_float is not None else float_stage(None, None)
+        self.transforms, self.schedule, self.train_size = transforms, schedule, train_size
+
+    def finish(self, batch: tuple, *, index: int | None, trainer) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on the device -> (x, y), x float and normalised. `index` is the batch's place among the run's
+        training batches (None outside training): the seed of its draws when the batch carries none."""
         x, y, *seeds = batch
-        if isinstance(x, list):  # augment_on_device: the files stay in host memory, where nvJPEG reads them from
-            return (x, y.to(device, non_blocking=True), *seeds)  # the seeds stay on the host: the CPU draws
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        """uint8 images -> float32, normalized, on the device; the second element (targets or indices) is kept."""
-        x, y, *seeds = batch
-        trainer = self.trainer
-        train = trainer is not None and trainer.training
-        if train:
-            index, self.training_batches = self.training_batches, self.training_batches + 1
+        train = index is not None
         if isinstance(x, list):
             # Each draw's own seed (SeededDraws), as the workers use it; else (a sampler of the user's) one per batch,
             # from the batch's index in the run, on a stream of its own.
             seed = (seeds[0].tolist() if seeds else batch_seed(index, trainer.global_rank, stream=1)) if train else None
-            x = self.augment_batch(x, y.device, train=train, seed=seed)
-        if self.progressive_resizing and train:
-            side = self.train_side(self.trainer.current_epoch)
+            x = self.augment(x, y.device, train=train, seed=seed)
+        if self.schedule and train:
+            side = self.train_side(trainer.current_epoch)
             if side is not None and side != x.shape[-1]:
                 x = TF.resize(x, [side, side], antialias=True)  # (B, 3, side, side), uint8 stays uint8
         if x.dtype == torch.uint8:
-            x = self.float_transform(x)
+            x = self.to_float(x)
         return x, y
 
-    def train_side(self, epoch: int) -> int:
-        """The training image side at `epoch`: the progressive_resizing entry in force, else train_image_size (None
-        when the training transform states no size: the batch is left as it is)."""
-        due = [e for e in self.progressive_resizing or {} if e <= epoch]
-        return self.progressive_resizing[max(due)] if due else self.train_image_size
+    def train_side(self, epoch: int) -> int | None:
+        """The training image side at `epoch`: the schedule's entry in force, else train_size (None when the training
+        transform states no size: the batch is left as it is)."""
+        due = [e for e in self.schedule or {} if e <= epoch]
+        return self.schedule[max(due)] if due else self.train_size
 
-    def augment_batch(self, items: list[torch.Tensor], device: torch.device | str, *, train: bool,
-                      seed: int | list[int] | None = None) -> torch.Tensor:
+    def augment(self, items: list[torch.Tensor], device: torch.device | str, *, train: bool,
+                seed: int | list[int] | None = None) -> torch.Tensor:
         """``augment_on_device``: files read by the workers -> a uint8 (B, 3, S, S) batch on `device`.
 
-        The preset's transforms run image by image (each draws its own crop); with `seed`, from a generator forked
-        for this batch, or with a list, one per image (the training draws' seeds: the crops the workers would have
-        drawn), so that the draws do not depend on what else consumed random numbers before.
+        The transforms run image by image (each draws its own crop); with `seed`, from a generator forked for this
+        batch, or with a list, one per image (the training draws' seeds: the crops the workers would have drawn), so
+        that the draws do not depend on what else consumed random numbers before.
         """
-        transform = self._device_transforms["train" if train else "eval"]
+        transform = self.transforms["train" if train else "eval"]
         images = decode_images(items, device)
         if seed is None:
             return stack_images([transform(image) for image in images])

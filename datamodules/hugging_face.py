@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from core.config_types import OpenUnitInterval, check_arguments
+from core.config_types import OpenUnitInterval
 from datamodules.datasets import SeededImages
 from datamodules.image_data import ImageData, Transforms
 from datamodules.images import decode_bytes
@@ -67,6 +68,7 @@ class HFImages(SeededImages):
         return f"row {int(self.rows[index])} of split {self.split} ({self._cell(index).get('path')})"
 
 
+@dataclass(eq=False, repr=False)
 class HFDataModule(ImageData):
     """A Hugging Face dataset with an image column (an ``Image`` feature) and a label column (a ``ClassLabel``,
     whose names are the class names), read from `root`: a folder written by ``save_to_disk`` (a ``DatasetDict`` with
@@ -74,58 +76,57 @@ class HFDataModule(ImageData):
     ``test`` split (optional), or a single ``Dataset``, taken as train), or a folder of images that the
     ``imagefolder`` builder reads. Images are decoded from their stored bytes exactly as files are, and a bad image
     fails when it is read, naming its row (there is no start scan of the rows).
-
-    Args:
-        root: the dataset's folder. May be null for ``predict`` from a checkpoint, which carries the class names.
-        image_column: the column of the images.
-        label_column: the column of the labels; a ``ClassLabel`` (``dataset.class_encode_column(name)`` makes one
-            of a column of strings).
-        val_split: fraction of train held out, seeded and stratified by class, when there is no validation split.
-        split_seed: seed of that split; the same split on every process and every run.
-        **kwargs: the transform settings (`ImageData`: preset, image_size, predict_dir, ...) and the loader settings
-            (`ClassificationData`: batch_size, num_workers, sampler, ...).
     """
 
-    def __init__(self, root: str | None = None, image_column: str = "image", label_column: str = "label",
-                 val_split: OpenUnitInterval = 0.1, split_seed: int = 0, **kwargs) -> None:
-        check_arguments("data", HFDataModule.__init__, locals())
-        super().__init__(**kwargs)
-        self.root = Path(root).expanduser() if root else None
-        self.image_column, self.label_column = image_column, label_column
-        self.val_split, self.split_seed = val_split, split_seed
+    root: str | None = None
+    """The dataset's folder. May be null for ``predict`` from a checkpoint, which carries the class names."""
+    _: KW_ONLY
+    image_column: str = "image"
+    """The column of the images."""
+    label_column: str = "label"
+    """The column of the labels; a ``ClassLabel`` (``dataset.class_encode_column(name)`` makes one of a column of
+    strings)."""
+    val_split: OpenUnitInterval = 0.1
+    """Fraction of train held out, seeded and stratified by class, when there is no validation split."""
+    split_seed: int = 0
+    """Seed of that split; the same split on every process and every run."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.folder = Path(self.root).expanduser() if self.root else None
         self.splits: dict | None = None
-        if self.root is not None:  # memory-mapped Arrow files: opening them reads no image
-            self.splits = load_splits(self.root)
+        if self.folder is not None:  # memory-mapped Arrow files: opening them reads no image
+            self.splits = load_splits(self.folder)
             self.class_names = self._read_class_names()
 
     def _read_class_names(self) -> list[str]:
         if "train" not in self.splits:
-            raise ValueError(f"the dataset at {self.root} has the splits {sorted(self.splits)}, and no train split")
+            raise ValueError(f"the dataset at {self.folder} has the splits {sorted(self.splits)}, and no train split")
         features = self.splits["train"].features
         for column in (self.image_column, self.label_column):
             if column not in features:
-                raise ValueError(f"the dataset at {self.root} has no column {column!r} (its columns: "
+                raise ValueError(f"the dataset at {self.folder} has no column {column!r} (its columns: "
                                  f"{', '.join(features)}); set data.image_column and data.label_column")
         label = features[self.label_column]
         names = getattr(label, "names", None)
         if type(label).__name__ != "ClassLabel" or not names:
-            raise ValueError(f"data.label_column={self.label_column!r} of {self.root} is {label}, not a ClassLabel: "
+            raise ValueError(f"data.label_column={self.label_column!r} of {self.folder} is {label}, not a ClassLabel: "
                              f"save the dataset after dataset.class_encode_column({self.label_column!r})")
         if len(names) < 2:
-            raise ValueError(f"the dataset at {self.root} has a single class ({names}); classification needs two or "
+            raise ValueError(f"the dataset at {self.folder} has a single class ({names}); classification needs two or "
                              "more")
         return list(names)
 
     def _split(self, name: str, transform, encoded: bool, rows: np.ndarray | None = None) -> HFImages:
         dataset = self.splits[name]
         if dataset.features.get(self.label_column) != self.splits["train"].features[self.label_column]:
-            raise ValueError(f"split {name} of {self.root} has other classes than train: "
+            raise ValueError(f"split {name} of {self.folder} has other classes than train: "
                              f"{dataset.features.get(self.label_column)}")
         targets = np.fromiter(dataset[self.label_column], np.int64, len(dataset))
         return HFImages(dataset, self.image_column, targets, transform, encoded=encoded, rows=rows, split=name)
 
     def setup_datasets(self, stage: str, transforms: Transforms) -> None:
-        if self.root is None:
+        if self.folder is None:
             raise ValueError(f"data.root is required for {stage}; pass --data.root DATASET_FOLDER")
         if stage in ("fit", "validate") and self.train_set is None:
             val = next((name for name in VAL_SPLITS if name in self.splits), None)
@@ -134,7 +135,7 @@ class HFDataModule(ImageData):
                 train = self.splits["train"]
                 pairs = list(enumerate(np.fromiter(train[self.label_column], np.int64, len(train)).tolist()))
                 kept, held = hold_out(pairs, self.val_split, self.split_seed, self.class_names, False,
-                                      self.root / "train")
+                                      self.folder / "train")
                 rows = {"train": np.array([i for i, _ in kept]), "val": np.array([i for i, _ in held])}
             self.train_set = self._split("train", transforms.train, transforms.train_encoded,
                                          rows["train"] if rows else None)
@@ -142,6 +143,6 @@ class HFDataModule(ImageData):
                                        rows["val"] if rows else None)
         if stage == "test":
             if "test" not in self.splits:
-                raise FileNotFoundError(f"the dataset at {self.root} has no test split (its splits: "
+                raise FileNotFoundError(f"the dataset at {self.folder} has no test split (its splits: "
                                         f"{', '.join(self.splits)}); `imgcls test` needs one")
             self.test_set = self._split("test", transforms.eval, transforms.eval_encoded)

@@ -1,23 +1,34 @@
-"""Image sources whose pixels go through injected transforms: the part the image folder, the CSV manifest, Hugging
-Face datasets and LitData shards share (the training and evaluation pipelines, the input contract, predicting a
-folder of images, the bad-image scan of files)."""
+"""Image sources whose pixels go through injected transforms: what the image folder, the CSV manifest, Hugging Face
+datasets and LitData shards share (the training and evaluation pipelines, the input contract, predicting a folder of
+images, the bad-image scan of files, and the datasets of image files a source lists with `listing`)."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from core.config_types import ImageSide, check_arguments
+from core.config_types import ImageSide
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.base import ClassificationData
-from datamodules.datasets import PredictImages, collate_encoded
+from datamodules.datasets import ImageFiles, PredictImages, collate_encoded
+from datamodules.device_batches import DeviceBatches
+from datamodules.files import FileSplits
 from datamodules.images import list_images, read_encoded, read_image
-from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain, Preset, check_schedule, float_stage
+from datamodules.presets import (
+    ClassificationPresetEval,
+    ClassificationPresetTrain,
+    Preset,
+    check_schedule,
+    float_stage,
+    with_short_forms,
+)
+from datamodules.samplers import refuse_balanced_multilabel
 from datamodules.transforms import ImageTransform, ThenFloat, contract_of, stated, transform_config
 
 log = logging.getLogger(__name__)
@@ -39,83 +50,92 @@ class Transforms(NamedTuple):
         return read_encoded if (self.train_encoded if train else self.eval_encoded) else read_image
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class ImageData(ClassificationData):
-    """Images prepared by injected transforms (datamodules/transforms.py): a subclass lists its samples in
-    `setup_datasets(stage, transforms)`; this class places the training and evaluation pipelines, states the input
-    contract and predicts the images of `predict_dir`.
+    """Images prepared by injected transforms (datamodules/transforms.py): this class places the training and
+    evaluation pipelines, states the input contract and predicts the images of `predict_dir`. A subclass either lists
+    image files below a root (`listing`: the image folder, the CSV manifests), whose datasets this class builds, or
+    builds its own in `setup_datasets(stage, transforms)`."""
 
-    Args:
-        train_transform: the training pipeline, by class_path: a shipped preset
-            (`datamodules.presets.ClassificationPresetTrain`, the default), any torchvision v2 transform, or a class
-            of yours (`datamodules.transforms.ImageTransform`: uint8 (3, H, W) in, uint8 (3, S, S) out).
-        eval_transform: the validation, test and prediction pipeline, likewise
-            (`datamodules.presets.ClassificationPresetEval`, the default). It becomes the model's input contract: a
-            checkpoint evaluates, predicts and exports with it.
-        preset: short form: the preset of a shipped preset whose own is null: ``imagenet``, ``keras`` or ``none``.
-        image_size: short form: the side of a shipped preset whose own is null (both, unless FixRes sets them).
-        progressive_resizing: epoch -> training image side from that epoch on, e.g. ``{0: 128, 6: 160, 12: 176}``
-            (progressive resizing, as in FFCV and Composer: small, fast images early, full size late). The loaders
-            keep producing the training transform's crops; each training batch is resized on the device, before
-            normalisation. Evaluation keeps its size. null is off.
-        normalize_on_device: workers yield uint8 batches and the float conversion and normalization run after the
-            copy to the device (same values, 4x fewer bytes moved); false yields float batches from the workers.
-        augment_on_device: workers only read the files; JPEG decoding (nvJPEG on CUDA, one call per batch), the
-            transforms and the normalization run on the device, image by image, in the main process. For when the
-            CPU cores cannot feed the GPUs; on a CPU-only machine it only moves the work around.
-        fast_decode: training JPEGs (imagenet preset) are decoded by libjpeg-turbo's fast path: fast integer IDCT
-            and chroma upsampling, and at 1/2, 1/4 or 1/8 scale when the random crop is that many times larger than
-            its output. Less CPU per image (benchmarks/input_pipeline.py); pixels differ from the exact decode by
-            about one level in 255 on average. Evaluation images are always decoded exactly.
-        predict_dir: folder of images (nested folders allowed) for ``imgcls predict``.
-        bad_images: what to do with image files that cannot be decoded, found by a scan at setup: ``raise`` (list
-            them all and stop before training) or ``skip`` (log them and train on the rest).
-        scan_cache: keep that scan's verdicts, keyed by path, size and mtime, in ``.imgcls-scan-cache-*.npz`` beside
-            the images (in ``~/.cache/imgcls/scan`` when their folder is read-only): a later start decodes only the
-            files added or changed since. false decodes every image at every start.
-        **kwargs: the loader and sampler settings of `ClassificationData` (batch_size, num_workers, sampler, ...).
-    """
+    train_transform: ImageTransform | None = None
+    """The training pipeline, by class_path: a shipped preset (`datamodules.presets.ClassificationPresetTrain`, the
+    default), any torchvision v2 transform, or a class of yours (`datamodules.transforms.ImageTransform`: uint8
+    (3, H, W) in, uint8 (3, S, S) out)."""
+    eval_transform: ImageTransform | None = None
+    """The validation, test and prediction pipeline, likewise (`datamodules.presets.ClassificationPresetEval`, the
+    default). It becomes the model's input contract: a checkpoint evaluates, predicts and exports with it."""
+    preset: Preset | None = None
+    """Short form: when set, the ``preset`` of both shipped presets, over their own (one line says which values it
+    replaces); null: each preset's own."""
+    image_size: ImageSide | None = None
+    """Short form: when set, the ``image_size`` of both shipped presets, over their own (one line says which values
+    it replaces; an evaluation resize_size it changes goes back to image_size / 0.875); null: each preset's own."""
+    progressive_resizing: dict[int, int] | None = None
+    """Epoch -> training image side from that epoch on, e.g. ``{0: 128, 6: 160, 12: 176}`` (progressive resizing, as
+    in FFCV and Composer: small, fast images early, full size late). The loaders keep producing the training
+    transform's crops; each training batch is resized on the device, before normalisation. Evaluation keeps its size.
+    null is off."""
+    normalize_on_device: bool = True
+    """Workers yield uint8 batches and the float conversion and normalization run after the copy to the device (same
+    values, 4x fewer bytes moved); false yields float batches from the workers."""
+    augment_on_device: bool = False
+    """Workers only read the files; JPEG decoding (nvJPEG on CUDA, one call per batch), the transforms and the
+    normalization run on the device, image by image, in the main process. For when the CPU cores cannot feed the
+    GPUs; on a CPU-only machine it only moves the work around."""
+    fast_decode: bool = False
+    """Training JPEGs (imagenet preset) are decoded by libjpeg-turbo's fast path: fast integer IDCT and chroma
+    upsampling, and at 1/2, 1/4 or 1/8 scale when the random crop is that many times larger than its output. Less CPU
+    per image (benchmarks/input_pipeline.py); pixels differ from the exact decode by about one level in 255 on average.
+    Evaluation images are always decoded exactly."""
+    predict_dir: str | None = None
+    """Folder of images (nested folders allowed) for ``imgcls predict``."""
+    bad_images: Literal["raise", "skip"] = "raise"
+    """What to do with image files that cannot be decoded, found by a scan at setup: ``raise`` (list them all and
+    stop before training) or ``skip`` (log them and train on the rest)."""
+    scan_cache: bool = True
+    """Keep that scan's verdicts, keyed by path, size and mtime, in ``.imgcls-scan-cache-*.npz`` beside the images (in
+    ``~/.cache/imgcls/scan`` when their folder is read-only): a later start decodes only the files added or changed
+    since. false decodes every image at every start."""
 
-    def __init__(
-        self,
-        train_transform: ImageTransform | None = None,
-        eval_transform: ImageTransform | None = None,
-        preset: Preset = "imagenet",
-        image_size: ImageSide = 224,
-        progressive_resizing: dict[int, int] | None = None,
-        normalize_on_device: bool = True,
-        augment_on_device: bool = False,
-        fast_decode: bool = False,
-        predict_dir: str | None = None,
-        bad_images: Literal["raise", "skip"] = "raise",
-        scan_cache: bool = True,
-        **kwargs,
-    ) -> None:
-        check_arguments("data", ImageData.__init__, locals())  # the annotated ranges and choices
-        super().__init__(**kwargs)
-        self.preset, self.image_size = preset, image_size
-        train = train_transform if train_transform is not None else ClassificationPresetTrain()
-        evaluate = eval_transform if eval_transform is not None else ClassificationPresetEval()
-        if isinstance(train, ClassificationPresetTrain):
-            train = train.with_defaults(preset=preset, image_size=image_size, uint8_output=True,
-                                        fast_decode=fast_decode)
-        elif fast_decode and not getattr(train, "reads_encoded", False):
-            raise ValueError(f"data.fast_decode decodes JPEGs inside the training transform, and "
-                             f"{type(train).__name__} takes decoded images; set data.fast_decode false")
-        if isinstance(evaluate, ClassificationPresetEval):
-            evaluate = evaluate.with_defaults(preset=preset, image_size=image_size, uint8_output=True)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        train, evaluate = self._place_transforms()
         self.train_transform, self.eval_transform = train, evaluate
         # What a checkpoint rebuilds them from: a config, never the objects (checkpoints load weights_only).
         given = {k: self.hparams.get(k) for k in ("train_transform", "eval_transform")}
         self.hparams.update({k: transform_config(t, given[k]) for k, t in (("train_transform", train),
                                                                            ("eval_transform", evaluate))})
         self._contract = contract_of(evaluate, given["eval_transform"])
-        self.train_image_size, self.eval_image_size = stated(train, "image_size"), stated(evaluate, "image_size")
-        self.progressive_resizing = check_schedule(progressive_resizing, self.train_image_size)
-        self.normalize_on_device, self.augment_on_device = normalize_on_device, augment_on_device
-        self.fast_decode, self.bad_images, self.scan_cache = fast_decode, bad_images, scan_cache
-        self.predict_dir = Path(predict_dir).expanduser() if predict_dir is not None else None
-        self.float_transform = float_stage(*normalisation_of(train, evaluate))  # uint8 (B, 3, H, W) -> float32
-        self.collate_fn = collate_encoded if augment_on_device else self.collate_fn
+        train_size = stated(train, "image_size")
+        self.device_batches = DeviceBatches(  # uint8 (B, 3, H, W) -> float32, the schedule, the device's transforms
+            float_stage(*normalisation_of(train, evaluate)), schedule=check_schedule(self.progressive_resizing,
+                                                                                     train_size),
+            transforms={"train": train, "eval": evaluate} if self.augment_on_device else None, train_size=train_size)
+        if self.augment_on_device:
+            self.collate_fn = collate_encoded
+        self.files = self.listing()
+        if self.files is not None:  # read now (a listing, cheap): the CLI links the classes into the model
+            self.class_names, self.multilabel = self.files.class_names, self.files.multilabel
+            refuse_balanced_multilabel(self.sampler, self.multilabel, str(self.files.root))
+
+    def _place_transforms(self) -> tuple[ImageTransform, ImageTransform]:
+        """The training and evaluation transforms as this run uses them: the default presets where none is given, the
+        short forms over the presets' own (said in one line where they replace a value), uint8 output."""
+        train = self.train_transform if self.train_transform is not None else ClassificationPresetTrain()
+        evaluate = self.eval_transform if self.eval_transform is not None else ClassificationPresetEval()
+        train, replaced = with_short_forms(train, "data.train_transform", self.preset, self.image_size)
+        evaluate, replaced_eval = with_short_forms(evaluate, "data.eval_transform", self.preset, self.image_size)
+        if replaced or replaced_eval:
+            forms = [f"data.{k}={v}" for k, v in (("preset", self.preset), ("image_size", self.image_size)) if v]
+            rank_zero_info(f"{', '.join(forms)} (short form) replaces {', '.join(replaced + replaced_eval)}")
+        if isinstance(train, ClassificationPresetTrain):
+            train = train.replace(uint8_output=True, fast_decode=self.fast_decode)
+        elif self.fast_decode and not getattr(train, "reads_encoded", False):
+            raise ValueError(f"data.fast_decode decodes JPEGs inside the training transform, and "
+                             f"{type(train).__name__} takes decoded images; set data.fast_decode false")
+        if isinstance(evaluate, ClassificationPresetEval):
+            evaluate = evaluate.replace(uint8_output=True)
+        return train, evaluate
 
     @property
     def input_contract(self) -> dict:
@@ -124,14 +144,19 @@ class ImageData(ClassificationData):
         a checkpoint evaluates, predicts and exports as it was validated."""
         return dict(self._contract)
 
+    def listing(self) -> FileSplits | None:
+        """The image files of a source that lists them below a root (its splits, classes and samples), read at
+        construction; None for a source that builds its own datasets in `setup_datasets`, or without a root."""
+        return None
+
     def transforms(self) -> Transforms:
         """The training and evaluation transforms, as this run's settings place them."""
-        if self.augment_on_device:  # the workers read; `augment_batch` decodes and transforms on the device
-            self._device_transforms = {"train": self.train_transform, "eval": self.eval_transform}
+        if self.augment_on_device:  # the workers read; `device_batches` decodes and transforms on the device
             return Transforms(None, None, train_encoded=True, eval_encoded=True)
         train, evaluate = self.train_transform, self.eval_transform
         if not self.normalize_on_device:
-            train, evaluate = ThenFloat(train, self.float_transform), ThenFloat(evaluate, self.float_transform)
+            to_float = self.device_batches.to_float
+            train, evaluate = ThenFloat(train, to_float), ThenFloat(evaluate, to_float)
         # With fast_decode the training transform decodes each JPEG for its crop (reduced size when it can).
         return Transforms(train, evaluate, train_encoded=self.fast_decode, eval_encoded=False)
 
@@ -146,18 +171,31 @@ class ImageData(ClassificationData):
 
     def setup_datasets(self, stage: str, transforms: Transforms) -> None:
         """Set `train_set` and `val_set` (fit, validate) or `test_set` (test), with these transforms: the subclass's
-        part of the contract (datamodules/base.py)."""
-        raise NotImplementedError(f"{type(self).__name__} lists no samples: it must define setup_datasets")
+        part of the contract (datamodules/base.py). Here: the image files of `listing`, scanned once per stage."""
+        files = self.files
+        if files is None:
+            raise ValueError(f"data.root is required for {stage}; pass --data.root FOLDER")
+        if stage in ("fit", "validate") and self.train_set is None:  # built once: `fit` validates again at its end
+            train, val = files.train_val()
+            train, val = self.drop_bad(train, val, folder=files.root, scan="train-val")  # one scan, one message
+            self.train_set = ImageFiles(train, transforms.train, transforms.read(train=True))
+            self.val_set = ImageFiles(val, transforms.eval, transforms.read(train=False))
+        if stage == "test":
+            if not files.has("test"):
+                raise FileNotFoundError(f"{files.path('test')} does not exist; `imgcls test` needs a test split")
+            (test,) = self.drop_bad(files.samples("test"), folder=files.root, scan="test")
+            self.test_set = ImageFiles(test, transforms.eval, transforms.read(train=False))
 
     def _predict_images(self, transforms: Transforms) -> PredictImages:
         if self.predict_dir is None:
             raise ValueError("data.predict_dir is not set; pass --data.predict_dir FOLDER_OF_IMAGES")
-        if not self.predict_dir.is_dir():
-            raise FileNotFoundError(f"data.predict_dir={self.predict_dir} is not a folder")
-        paths = list_images(self.predict_dir)
+        folder = Path(self.predict_dir).expanduser()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"data.predict_dir={folder} is not a folder")
+        paths = list_images(folder)
         if not paths:
-            raise FileNotFoundError(f"data.predict_dir={self.predict_dir} holds no images")
-        (paths,) = self.drop_bad(paths, folder=self.predict_dir, scan="predict")
+            raise FileNotFoundError(f"data.predict_dir={folder} holds no images")
+        (paths,) = self.drop_bad(paths, folder=folder, scan="predict")
         return PredictImages(paths, transforms.eval, transforms.read(train=False))
 
     def drop_bad(self, *splits: list, folder: Path, scan: str) -> list[list]:

@@ -6,14 +6,33 @@ labels.csv per split folder for multi-label data). The CLI's default data source
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
-from datamodules.files import ImageFileData, Samples
+from core.config_types import OpenUnitInterval
+from datamodules.files import FileSplits, Samples
+from datamodules.image_data import ImageData
 from datamodules.images import is_multilabel
 from datamodules.splits import read_class_names, split_samples
 
 
-class ImageFolderDataModule(ImageFileData):
+class FolderSplits(FileSplits):
+    """train/, val/ and test/ below the root: class folders (ImageFolder semantics: the classes are train/'s sorted
+    sub-folder names), or a labels.csv in each (multi-label)."""
+
+    def read_classes(self) -> tuple[list[str], bool]:
+        multilabel = self.root.is_dir() and is_multilabel(self.root)  # train/labels.csv
+        return read_class_names(self.root, multilabel), multilabel
+
+    def path(self, split: str) -> Path:
+        return self.root / split
+
+    def samples(self, split: str) -> Samples:
+        return split_samples(self.root / split, self.class_names, self.multilabel)
+
+
+@dataclass(eq=False, repr=False)
+class ImageFolderDataModule(ImageData):
     """Image-folder data with ImageFolder semantics (classes are the sorted sub-folder names), or multi-label data.
 
     Multi-label: each split folder holds its images (in any sub-folders) and ``labels.csv`` with the columns
@@ -21,23 +40,16 @@ class ImageFolderDataModule(ImageFileData):
     classes are the labels that ``train/labels.csv`` uses, sorted, and each target is a multi-hot row. The model
     then has sigmoid outputs and a binary cross-entropy per class (linked by the CLI as ``model.multilabel``).
     Single-label data listed in a CSV file instead of class folders: `datamodules.CsvDataModule`.
-
-    Args:
-        root: folder holding ``train/``, ``val/`` (optional: else ``val_split`` of train) and ``test/`` (optional).
-            May be null for ``predict`` from a checkpoint, which carries the class names.
-        **kwargs: ``val_split`` and ``split_seed`` (`ImageFileData`), the transform settings (`ImageData`: preset,
-            image_size, ...) and the loader settings (`ClassificationData`: batch_size, num_workers, sampler, ...).
     """
 
-    def __init__(self, root: str | None = "data/digits", **kwargs) -> None:
-        super().__init__(root=root, **kwargs)
+    root: str | None = "data/digits"
+    """Folder holding ``train/``, ``val/`` (optional: else ``val_split`` of train) and ``test/`` (optional). May be
+    null for ``predict`` from a checkpoint, which carries the class names."""
+    _: KW_ONLY
+    val_split: OpenUnitInterval = 0.1
+    """Fraction of train/ held out, seeded (and stratified by class, single-label), when there is no val/."""
+    split_seed: int = 0
+    """Seed of that split; the same split on every process and every run."""
 
-    def read_classes(self) -> tuple[list[str], bool]:
-        multilabel = self.root.is_dir() and is_multilabel(self.root)  # train/labels.csv
-        return read_class_names(self.root, multilabel), multilabel
-
-    def split_path(self, split: str) -> Path:
-        return self.root / split
-
-    def samples_of(self, split: str) -> Samples:
-        return split_samples(self.root / split, self.class_names, self.multilabel)
+    def listing(self) -> FolderSplits | None:
+        return FolderSplits(Path(self.root).expanduser(), self.val_split, self.split_seed) if self.root else None

@@ -108,15 +108,15 @@ class ClassificationPresetTrain:
     the DataModule builds it). The imagenet preset also takes a JPEG's bytes (`RandomResizedCropFlip`), decoded fast
     with ``fast_decode``.
 
-    As ``data.train_transform``, a null `preset` or `image_size` is the DataModule's ``data.preset`` and
-    ``data.image_size`` (the short forms), and ``data.fast_decode`` decides `fast_decode`.
+    As ``data.train_transform``, the DataModule's short forms ``data.preset`` and ``data.image_size``, when set,
+    replace `preset` and `image_size`, and ``data.fast_decode`` decides `fast_decode`.
 
     Args:
         preset: ``imagenet`` (random resized crop and flip), ``keras`` (resize, rotation, shifts, flip) or ``none``
-            (resize only); null: data.preset (imagenet standalone).
-        image_size: side of the training crops; null: data.image_size (224 standalone). Below the evaluation side is
-            FixRes (torchvision's V2 recipe trains at 176 and evaluates at 224): random crops enlarge objects, and
-            evaluating larger makes up for it.
+            (resize only); null: imagenet.
+        image_size: side of the training crops; null: 224. Below the evaluation side is FixRes (torchvision's V2
+            recipe trains at 176 and evaluates at 224): random crops enlarge objects, and evaluating larger makes up
+            for it.
         auto_augment: automatic augmentation policy (on uint8): ``none``, ``trivialaugment`` (TrivialAugmentWide,
             torchvision's V2 recipe), ``randaugment``, ``autoaugment`` (ImageNet policy) or ``augmix``.
         auto_augment_magnitude: the policy's strength, null = torchvision's default: RandAugment magnitude (9),
@@ -140,6 +140,7 @@ class ClassificationPresetTrain:
             raise ValueError(f"data.train_transform.random_erasing={random_erasing} is a probability: choose a value "
                              "in [0, 1]")
         self.preset, self.image_size = preset, image_size
+        self.uint8_output, self.fast_decode = uint8_output, fast_decode
         self.mean, self.std = normalization(preset)
         self.reads_encoded = preset == "imagenet"  # RandomResizedCropFlip decodes a JPEG's bytes for its crop
         if preset == "imagenet":
@@ -163,12 +164,10 @@ class ClassificationPresetTrain:
             steps.append(v2.RandomErasing(p=random_erasing, value=erase_value(preset)))
         self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_transform(preset).transforms])
 
-    def with_defaults(self, *, preset: Preset, image_size: int, **options) -> ClassificationPresetTrain:
-        """This preset with a null preset or image_size taken from the DataModule, and `options` (uint8_output,
-        fast_decode) set: what the DataModule runs."""
-        args = {**self.init_args, **options}
-        args.update(preset=args["preset"] or preset, image_size=args["image_size"] or image_size)
-        return type(self)(**args)
+    def replace(self, **changes) -> ClassificationPresetTrain:
+        """This preset with `changes` to its arguments (the DataModule's short forms, uint8_output, fast_decode)."""
+        return type(self)(**{**self.init_args, "uint8_output": self.uint8_output, "fast_decode": self.fast_decode,
+                             **changes})
 
     def config(self) -> dict:
         """class_path and init_args that rebuild this transform, its preset and size resolved."""
@@ -181,13 +180,14 @@ class ClassificationPresetTrain:
 
 class ClassificationPresetEval:
     """Evaluation transform: deterministic resize (and center crop for `imagenet`); ``uint8_output`` as for
-    training. As ``data.eval_transform``, a null `preset` or `image_size` is the DataModule's data.preset and
-    data.image_size; the run's resolved values become the model's input contract (`config`, `contract_values`).
+    training. As ``data.eval_transform``, the DataModule's short forms ``data.preset`` and ``data.image_size``, when
+    set, replace `preset` and `image_size`; the run's resolved values become the model's input contract (`config`,
+    `contract_values`).
 
     Args:
         preset: ``imagenet`` (resize the short side, then center crop) or ``keras`` / ``none`` (resize to a square);
-            null: data.preset (imagenet standalone).
-        image_size: side of the validation, test and prediction images; null: data.image_size (224 standalone).
+            null: imagenet.
+        image_size: side of the validation, test and prediction images; null: 224.
         resize_size: ``imagenet``: the short side before the center crop; null = image_size / 0.875 (256 for 224).
             torchvision's V2 weights evaluate at 232 -> 224.
         uint8_output: stop before the float conversion and normalisation.
@@ -198,11 +198,10 @@ class ClassificationPresetEval:
         check_arguments("data.eval_transform", ClassificationPresetEval.__init__,
                         dict(preset=preset, image_size=image_size, resize_size=resize_size))
         self.init_args = dict(preset=preset, image_size=image_size, resize_size=resize_size)
-        resolved = image_size is not None  # else data.image_size decides, and the crop is checked then
         preset, image_size = preset or "imagenet", int(image_size or 224)
-        self.preset, self.image_size = preset, image_size
+        self.preset, self.image_size, self.uint8_output = preset, image_size, uint8_output
         self.resize_size = int(resize_size or round(image_size / 0.875))
-        if resolved and self.resize_size < image_size:
+        if self.resize_size < image_size:
             raise ValueError(f"data.eval_transform.resize_size={self.resize_size} is below the crop, "
                              f"data.eval_transform.image_size={image_size}; it is the short side before the center "
                              "crop")
@@ -217,11 +216,9 @@ class ClassificationPresetEval:
             steps = _plain(image_size)
         self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_transform(preset).transforms])
 
-    def with_defaults(self, *, preset: Preset, image_size: int, **options) -> ClassificationPresetEval:
-        """This preset with a null preset or image_size taken from the DataModule, and `options` (uint8_output) set."""
-        args = {**self.init_args, **options}
-        args.update(preset=args["preset"] or preset, image_size=args["image_size"] or image_size)
-        return type(self)(**args)
+    def replace(self, **changes) -> ClassificationPresetEval:
+        """This preset with `changes` to its arguments (the DataModule's short forms, uint8_output)."""
+        return type(self)(**{**self.init_args, "uint8_output": self.uint8_output, **changes})
 
     def config(self) -> dict:
         """class_path and init_args that rebuild this transform (`datamodules.transforms.build_transform`)."""
@@ -264,10 +261,23 @@ def input_contract(preset: Preset, image_size: int, resize_size: int | None = No
     }
 
 
-def eval_preset(contract: dict, *, uint8_output: bool = False) -> ClassificationPresetEval:
-    """The evaluation transform of an input contract of values (`input_contract`)."""
-    return ClassificationPresetEval(preset=contract["preset"], image_size=contract["image_size"],
-                                    resize_size=contract.get("resize_size"), uint8_output=uint8_output)
+def with_short_forms(transform, key: str, preset: Preset | None, image_size: int | None) -> tuple[object, list[str]]:
+    """`transform` (the data.`key`) with the DataModule's short forms data.preset and data.image_size, where set, over
+    a shipped preset's own: (the transform, the `key.arg=value`s they replace). A side they change resets an
+    evaluation preset's resize_size to its usual ratio. Refused for another transform, which has no such arguments."""
+    if preset is None and image_size is None:
+        return transform, []
+    if not isinstance(transform, ClassificationPresetTrain | ClassificationPresetEval):
+        raise ValueError(f"data.preset and data.image_size are short forms for the shipped presets, and {key} is "
+                         f"{type(transform).__name__}: set its own arguments (docs/EXTENDING.md, Transforms)")
+    changes = {k: v for k, v in (("preset", preset), ("image_size", image_size)) if v is not None}
+    own = transform.init_args
+    replaced = [f"{key}.{k}={own[k]}" for k, v in changes.items() if own[k] not in (None, v)]
+    resize = own.get("resize_size")
+    if resize is not None and image_size not in (None, transform.image_size):
+        changes["resize_size"] = None
+        replaced.append(f"{key}.resize_size={resize}")
+    return transform.replace(**changes), replaced
 
 
 def _plain(image_size: int) -> list:

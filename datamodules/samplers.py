@@ -15,6 +15,13 @@ from torch.utils.data import Dataset, DistributedSampler
 from core.seeding import draw_seed
 
 
+def refuse_balanced_multilabel(sampler: str, multilabel: bool, data: str) -> None:
+    """The one refusal of class-balanced sampling on multi-label data (`data` names it in the message)."""
+    if sampler == "balanced" and multilabel:
+        raise ValueError(f"data.sampler=balanced weights each image by its class, and {data} is multi-label; use "
+                         "data.sampler: random")
+
+
 class RepeatedAugmentationSampler(DistributedSampler):
     """Repeated augmentation (Hoffer et al. 2019; DeiT and torchvision's V2 recipe): each image of an epoch is drawn
     `repeats` times, and its copies go to different ranks, where each is augmented differently.

@@ -25,11 +25,11 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming.downloader import get_downloader
 from litdata.streaming.sampler import ChunkedIndex
 
-from core.seeding import draw_seed, seeded_cpu_draws
+from core.seeding import draw_seed, run_seed, seeded_cpu_draws
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.datasets import UnreadableImageError
 from datamodules.image_data import ImageData, Transforms
-from datamodules.image_folder import ImageFolderDataModule
+from datamodules.image_folder import FolderSplits
 from datamodules.images import decode_bytes
 
 # Lightning warns about any IterableDataset with a length on several workers; LitData's is what this process's
@@ -65,8 +65,8 @@ def prepare_data(src: str | os.PathLike, out: str | os.PathLike, *, num_workers:
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another folder")
-    data = ImageFolderDataModule(root=str(src), val_split=val_split, split_seed=split_seed, num_workers=0)
-    splits = data.split_samples()
+    data = FolderSplits(src, val_split, split_seed)
+    splits = data.all()
     paths = [p for samples in splits.values() for p, _ in samples]
     cache = ScanCache(src, "prepare-data")
     bad = find_bad_images(paths, progress=True, cache=cache)
@@ -206,28 +206,26 @@ class ShardLoader(StreamingDataLoader):
         self._resume = "spent" if spent else "position" if self.restore else None
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class ShardsDataModule(ImageData):
     """LitData shards that `imgcls prepare-data` wrote from an image folder, in a folder or a bucket (``s3://``),
     streamed by LitData: the splits, class names and the bad-file scan come from that conversion, and the training
-    order is LitData's shuffle, shared out among ranks and workers by LitData itself (no sampler). Training samples
-    are augmented from a seed of (run seed, epoch, sample), and the loader's position is checkpointed, so a resumed
-    run goes on exactly (`ShardLoader`).
-
-    Args:
-        root: the shards' folder or URL (what `imgcls prepare-data` was given as OUT_DIR). May be null for
-            ``predict`` from a checkpoint, which carries the class names.
-        **kwargs: the transform settings (`ImageData`: preset, image_size, predict_dir, ...) and the loader settings
-            (`ClassificationData`: batch_size, num_workers, ...); sampler must stay ``random`` and
-            repeated_augmentation 1.
+    order is LitData's shuffle, shared out among ranks and workers by LitData itself (no sampler: ``sampler`` must
+    stay ``random`` and ``repeated_augmentation`` 1). Training samples are augmented from a seed of (run seed, epoch,
+    sample), and the loader's position is checkpointed, so a resumed run goes on exactly (`ShardLoader`).
     """
 
-    def __init__(self, root: str | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        if self.sampling == "balanced" or self.repeated_augmentation > 1:
+    root: str | None = None
+    """The shards' folder or URL (what `imgcls prepare-data` was given as OUT_DIR). May be null for ``predict`` from a
+    checkpoint, which carries the class names."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sampler == "balanced" or self.repeated_augmentation > 1:
             raise ValueError("datamodules.ShardsDataModule draws with LitData's shuffle: set data.sampler: random and "
                              "data.repeated_augmentation: 1")
         # A string, which LitData reads as given: Path would fold s3:// into s3:/.
-        self.root = os.path.expanduser(root) if root else None
+        self.root = os.path.expanduser(self.root) if self.root else None
         self.shard_counts: dict[str, int] | None = None  # images per split of the shards
         if self.root is not None:  # what `imgcls prepare-data` wrote beside the shards
             meta = read_meta(self.root)
@@ -239,7 +237,7 @@ class ShardsDataModule(ImageData):
             raise ValueError(f"data.root is required for {stage}; pass --data.root SHARDS_FOLDER_OR_URL")
         if stage in ("fit", "validate") and self.train_set is None:
             self.train_set = training_split(self.root, transforms.train, encoded=transforms.train_encoded,
-                                            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), batch_size=self.batch_size,
+                                            seed=run_seed(), batch_size=self.batch_size,
                                             world_size=self.trainer.world_size if self.trainer else 1,
                                             count=self.shard_counts["train"])
             self.val_set = ShardImages(split_dir(self.root, "val"), transforms.eval, encoded=transforms.eval_encoded)

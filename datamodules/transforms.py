@@ -18,9 +18,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torchvision.transforms import v2
+
+from core.config_types import instantiate
 
 CONTRACT_VALUES = ("image_size", "mean", "std")  # what export and serving need of an evaluation transform
-PRESET_EVAL = "datamodules.presets.ClassificationPresetEval"
 
 
 @runtime_checkable
@@ -80,36 +82,38 @@ def contract_of(transform, given=None) -> dict[str, Any]:
 def build_transform(config: Mapping) -> ImageTransform:
     """The transform of a class_path and init_args (nested ones too: a v2.Compose of v2 transforms), as the CLI
     builds ``data.eval_transform``."""
-    from jsonargparse import ArgumentParser  # LightningCLI's parser: the same rules as a config file
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--transform", type=ImageTransform)
-    return parser.instantiate(parser.parse_object({"transform": dict(config)})).transform
+    return instantiate(ImageTransform, config)
 
 
-def eval_transform_config(contract: Mapping) -> dict | None:
-    """The class_path and init_args of the evaluation transform of a model's input contract: the one it stores, or
-    for a contract of values only (checkpoints older than the seam) the shipped preset of those values; None when
-    neither is known."""
-    if contract.get("transform"):
-        return {"class_path": contract["transform"]["class_path"],
-                "init_args": dict(contract["transform"].get("init_args") or {})}
-    if contract.get("preset"):
-        from datamodules.presets import eval_preset
-
-        return eval_preset(contract).config()
-    return None
+def transform_of(contract: Mapping) -> dict:
+    """The class_path and init_args of a model's evaluation transform, as its input contract stores them: what
+    evaluation from a checkpoint sets as data.eval_transform, and what `eval_pipeline` builds."""
+    config = contract.get("transform")
+    if not config:
+        raise ValueError("the model's input contract names no evaluation transform (one built in Python, which has "
+                         "no class_path); train it from a config, or give the transform a config() method")
+    return {"class_path": config["class_path"], "init_args": dict(config.get("init_args") or {})}
 
 
-def resolved_eval_config(config: Mapping | None, preset: str | None, image_size: int | None) -> dict | None:
-    """A config of ``data.eval_transform`` as it runs: a shipped preset's null preset and image_size taken from the
-    DataModule's short forms, so that it compares with a contract's."""
-    if not config or config.get("class_path") != PRESET_EVAL:
-        return dict(config) if config else None
+def eval_pipeline(contract: Mapping) -> v2.Compose:
+    """The model's evaluation preprocessing, rebuilt from its input contract: an RGB image (a uint8 (3, H, W) tensor
+    or a PIL image) -> float32 (3, S, S): the contract's transform, then the scaling to [0, 1] and the normalisation
+    of its mean and std. The one place it is built: serving runs it and export lists its steps."""
+    from datamodules.presets import ClassificationPresetEval, float_stage
+
+    transform = build_transform(transform_of(contract))
+    if isinstance(transform, ClassificationPresetEval):  # its uint8 steps; the float stage follows
+        steps = list(transform.replace(uint8_output=True).transforms.transforms)
+    else:
+        steps = list(transform.transforms) if isinstance(transform, v2.Compose) else [transform]
+    return v2.Compose([*steps, *float_stage(contract.get("mean"), contract.get("std")).transforms])
+
+
+def default_contract() -> dict[str, Any]:
+    """The contract of the default evaluation preset (imagenet, 224 px): for a model whose data source stated none."""
     from datamodules.presets import ClassificationPresetEval
 
-    built = ClassificationPresetEval(**(config.get("init_args") or {}))
-    return built.with_defaults(preset=preset or "imagenet", image_size=image_size or 224).config()
+    return contract_of(ClassificationPresetEval())
 
 
 def name_of(config: Mapping | None) -> str:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
-from torchvision.transforms import v2
 
-from datamodules.presets import eval_preset, float_stage, input_contract
-from datamodules.transforms import CONTRACT_VALUES, build_transform, eval_transform_config, name_of
+from datamodules.transforms import CONTRACT_VALUES, default_contract, eval_pipeline, name_of
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
 from training.records.saved_run import SavedRun, checkpoint_file
@@ -27,16 +27,29 @@ from training.resume.checkpoints import UnsafeCheckpointError
 
 FORMATS = ("onnx", "torchscript")
 
+log = logging.getLogger(__name__)
+
+
+def evaluation_contract(saved: SavedRun) -> dict[str, Any]:
+    """A checkpoint's input contract, the one place export, publish and serve read it: the model's own, or for a
+    model whose data source stated none (it handed over ready tensors) the default evaluation preset's, said."""
+    contract = saved.input_contract
+    if contract is None:
+        contract = default_contract()
+        log.warning(f"{saved.path} carries no input contract (its data source stated none): its preprocessing is "
+                    f"taken to be the default, {name_of(contract['transform'])}")
+    return contract
+
 
 def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
-    """The model in eval mode on the CPU, fp32, and its input contract (the evaluation preprocessing it was trained
-    with: `ImageClassifier.input_contract`, or the data hyperparameters of a checkpoint older than it)."""
+    """The model in eval mode on the CPU, fp32, and its input contract (`evaluation_contract`: the evaluation
+    preprocessing it was trained with)."""
     ckpt_path = checkpoint_file(ckpt_path)
     # The network without its `weights`: the checkpoint holds every weight, so the pretrained ones it was fine-tuned
     # from (model.net.weights) are neither needed nor downloaded.
     # Both reads are weights_only: a checkpoint that needs arbitrary unpickling is refused, naming the file.
     saved = SavedRun.read(ckpt_path)
-    contract = saved.input_contract or input_contract("imagenet", 224)
+    contract = evaluation_contract(saved)
     net = saved.model.get("net")
     overrides = {"net": without_pretrained_weights(net)} if isinstance(net, dict) else {}
     model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, **overrides)
@@ -51,13 +64,7 @@ def preprocessing(contract: dict) -> dict:
         raise ValueError(f"the model's evaluation transform, {name_of(contract.get('transform'))}, states no "
                          f"{', '.join(missing)}: export writes them for the server; give the transform those "
                          "attributes (docs/EXTENDING.md, Transforms)")
-    if contract.get("preset") is not None:  # a shipped preset: its steps, the float stage included
-        steps = eval_preset(contract).transforms.transforms
-    else:
-        config = eval_transform_config(contract)
-        transform = build_transform(config) if config is not None else None
-        steps = [*(transform.transforms if isinstance(transform, v2.Compose) else [transform or "unknown"]),
-                 *float_stage(contract["mean"], contract["std"]).transforms]
+    steps = eval_pipeline(contract).transforms
     return {
         "input": "RGB image (decode grayscale/RGBA/16-bit to 8-bit RGB first)",
         **contract,

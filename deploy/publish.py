@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from datamodules.presets import input_contract
+from deploy.export import evaluation_contract
 from lightning_modules.pretrained import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -44,11 +44,6 @@ SINGLE_LABEL_METRICS = (("val/acc", "top-1 accuracy", "accuracy"), ("val/acc_top
                         ("val/f1_macro", "macro F1", "f1"))
 MULTILABEL_METRICS = (("val/map", "mAP (macro)", "mean_average_precision"), ("val/acc", "exact match", "accuracy"),
                       ("val/f1_macro", "macro F1", "f1"))
-
-
-def evaluation_contract(saved: SavedRun) -> dict[str, Any]:
-    """The evaluation preprocessing of a checkpoint (its input contract), the one place publish reads it."""
-    return saved.input_contract or input_contract("imagenet", 224)
 
 
 def read_run(ckpt_path: str | Path) -> tuple[SavedRun, dict[str, torch.Tensor], bool]:

@@ -47,20 +47,6 @@ class Served:
     threshold: float | None
 
 
-def eval_transform(contract: dict[str, Any]):
-    """The evaluation transform of an input contract: uint8 (3, H, W) RGB -> float (3, S, S), the transform the run
-    was validated with (a shipped preset or the user's own, `datamodules.transforms`) then the contract's scaling and
-    normalisation; the one place serving reads the contract."""
-    from datamodules.presets import float_stage
-    from datamodules.transforms import ThenFloat, build_transform, eval_transform_config
-
-    config = eval_transform_config(contract)
-    if config is None:
-        raise ValueError("the model's input contract names no evaluation transform (a model published from Python?); "
-                         "publish it from a checkpoint of imgcls fit")
-    return ThenFloat(build_transform(config), float_stage(contract.get("mean"), contract.get("std")))
-
-
 def check_model_path(path: str | Path, threshold: float | None) -> None:
     """Raises a one-line error for a path that is neither a model folder nor an imgcls checkpoint; a multi-label
     checkpoint needs --threshold (a folder carries its own)."""
@@ -222,12 +208,14 @@ class ImageClassifierAPI(ls.LitAPI):
         self.max_pixels, self.threads = max_pixels, threads
 
     def setup(self, device) -> None:
+        from datamodules.transforms import eval_pipeline  # the contract's preprocessing, as export lists it
+
         torch.set_num_threads(self.threads)
         logging.basicConfig(level=os.environ.get("IMGCLS_SERVE_LOG", "INFO"), format="%(name)s: %(message)s")
         served = load_served(self.model_path, self.threshold)
         self.model = served.model.to(device)
         self.device, self.served = device, served
-        self.transform = eval_transform(served.contract)
+        self.transform = eval_pipeline(served.contract)
         log.info("serving %s on %s: %d classes, %s", self.model_path, device, len(served.class_names),
                  "multi-label" if served.multilabel else "single-label")
 

@@ -178,7 +178,8 @@ def test_hardware_benchmark_times_the_quickstarts_step():
     recipe = quickstart_recipe()
     optimizer = config["model"]["optimizer"]["class_path"]  # torch.optim.AdamW: benchmarks name it adamw
     assert (recipe["arch"], recipe["optimizer"], recipe["image_size"], recipe["batch_size"]) == (
-        config["model"]["net"]["init_args"]["arch"], optimizer.rsplit(".", 1)[-1].lower(), config["data"]["image_size"],
+        config["model"]["net"]["init_args"]["arch"], optimizer.rsplit(".", 1)[-1].lower(),
+        config["data"]["train_transform"]["init_args"]["image_size"],
         config["data"]["batch_size"])
 
 

@@ -261,5 +261,5 @@ def test_augment_on_device_batches_come_from_loader_workers(tmp_path):
     dm.setup("fit")
     x, y, *_ = next(iter(dm.train_dataloader()))
     assert isinstance(x, list) and len(x) == 4 and all(item.dtype == torch.uint8 for item in x)
-    batch = dm.augment_batch(x, "cpu", train=True, seed=0)
+    batch = dm.device_batches.augment(x, "cpu", train=True, seed=0)
     assert batch.shape == (4, 3, 32, 32) and y.shape == (4,)

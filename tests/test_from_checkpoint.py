@@ -89,7 +89,9 @@ def test_validate_from_the_checkpoint_alone_reproduces_the_fits_val_acc(run, dat
                    "--trainer.default_root_dir", str(tmp_path))
     assert printed_metrics(proc.stdout)["val/acc"] == pytest.approx(score, abs=1e-6)
     assert score > 0.3  # trained: the defaults' 224 px imagenet preprocessing scored chance
-    assert "as the model was trained" in proc.stdout + proc.stderr and "data.preset=none" in proc.stdout + proc.stderr
+    taken = [line for line in (proc.stdout + proc.stderr).splitlines() if "as the model was trained" in line]
+    assert len(taken) == 1 and ("data.eval_transform=datamodules.presets.ClassificationPresetEval(preset=none, "
+                                "image_size=32, resize_size=None)") in taken[0]
 
 
 def test_predict_from_the_checkpoint_alone_writes_the_rows_of_the_runs_config(run, data, tmp_path):
@@ -129,8 +131,9 @@ def test_an_explicit_image_size_other_than_trainings_warns_and_is_obeyed(run, da
     assert len(warned) == 1 and "the model was trained with 32" in warned[0] and "validate uses 48" in warned[0]
     resolved = yaml.safe_load((tmp_path / "validate_config.yaml").read_text())["data"]["init_args"]
     # The short form decides the checkpoint's eval preset's side; its preset (none) is the checkpoint's.
-    assert (resolved["image_size"], resolved["preset"]) == (48, "none")
-    assert resolved["eval_transform"]["init_args"]["image_size"] is None
+    assert resolved["image_size"] == 48
+    evaluated = resolved["eval_transform"]["init_args"]
+    assert (evaluated["preset"], evaluated["image_size"], evaluated["resize_size"]) == ("none", 48, None)
 
 
 def test_without_ckpt_path_the_runs_best_checkpoint_is_evaluated_or_the_command_refuses(run, data, tmp_path):

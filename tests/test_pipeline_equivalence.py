@@ -242,12 +242,12 @@ def test_augment_on_device_gives_the_worker_batches(tmp_path, preset):
         if on_device:  # each image's crop drawn from its draw's seed, as a worker draws it (SeededDraws)
             assert isinstance(x, list) and {t.ndim for t in x} == {1, 3}  # JPEGs read, not decoded; PNGs decoded
             assert len(seeds) == 1 and seeds[0].shape == (len(x),)
-            x = dm.augment_batch(x, "cpu", train=True, seed=seeds[0].tolist())
+            x = dm.device_batches.augment(x, "cpu", train=True, seed=seeds[0].tolist())
         else:
             assert not seeds
         xv, yv = next(iter(dm.val_dataloader()))
         if on_device:
-            xv = dm.augment_batch(xv, "cpu", train=False)
+            xv = dm.device_batches.augment(xv, "cpu", train=False)
         batches[on_device] = (x, y, xv, yv)
     for fast, reference in zip(batches[True], batches[False], strict=True):
         assert torch.equal(fast, reference)
@@ -260,14 +260,14 @@ def test_augment_on_device_draws_from_the_given_seed_only(tmp_path):
     dm.setup("fit")
     items, *_ = next(iter(dm.train_dataloader()))  # files, targets, the draws' seeds
     torch.manual_seed(0)
-    first = dm.augment_batch(items, "cpu", train=True, seed=11)
+    first = dm.device_batches.augment(items, "cpu", train=True, seed=11)
     state = torch.get_rng_state()
     torch.rand(5)  # what a model's dropout would draw in between
-    again = dm.augment_batch(items, "cpu", train=True, seed=11)
+    again = dm.device_batches.augment(items, "cpu", train=True, seed=11)
     assert torch.equal(first, again)
-    assert not torch.equal(first, dm.augment_batch(items, "cpu", train=True, seed=12))
+    assert not torch.equal(first, dm.device_batches.augment(items, "cpu", train=True, seed=12))
     torch.set_rng_state(state)
-    dm.augment_batch(items, "cpu", train=True, seed=13)
+    dm.device_batches.augment(items, "cpu", train=True, seed=13)
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -278,8 +278,8 @@ def test_augment_on_device_on_cuda_matches_the_cpu_pipeline(tmp_path):
     dm = ImageFolderDataModule(root=str(root), batch_size=10, num_workers=0, image_size=32, augment_on_device=True)
     dm.setup("validate")
     items, y = next(iter(dm.val_dataloader()))
-    gpu = dm.augment_batch(items, "cuda", train=False)
-    cpu = dm.augment_batch(items, "cpu", train=False)
+    gpu = dm.device_batches.augment(items, "cuda", train=False)
+    cpu = dm.device_batches.augment(items, "cpu", train=False)
     assert gpu.device.type == "cuda" and gpu.dtype == torch.uint8 and gpu.shape == cpu.shape
     assert (gpu.cpu().float() - cpu.float()).abs().mean() < 2.0  # grey levels of 255
 

@@ -18,7 +18,7 @@ import torchvision
 import yaml
 
 from datamodules.images import list_images, load_rgb
-from datamodules.presets import ClassificationPresetEval
+from datamodules.transforms import build_transform
 from deploy.export import main as export_main
 from deploy.publish import main as publish_main
 from lightning_modules import ImageClassifier
@@ -120,7 +120,7 @@ def reference(checkpoint, paths: list[str]) -> torch.Tensor:
     """Probabilities computed here, in-process, with the run's eval transform: (N, num_classes)."""
     model = load(checkpoint)
     data = torch.load(checkpoint, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"]
-    tf = ClassificationPresetEval(preset=data["preset"], image_size=data["image_size"])
+    tf = build_transform(data["eval_transform"])  # the DataModule's, as it ran (its preset's float output)
     with torch.no_grad():
         return model(torch.stack([tf(load_rgb(p)) for p in paths])).softmax(dim=1)
 

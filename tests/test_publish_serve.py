@@ -264,12 +264,13 @@ ANIMALS = ["bird", "cat", "dog", "fish", "horse"]
 def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tensor]]:
     """A random-weight multi-label resnet18 at 32 px as a model folder (imgcls publish's layout), PNG and JPEG images
     of other sizes, and the sigmoid of the model's logits for each image, from the pixels `imgcls predict` reads
-    (`read_image`) through the evaluation preset of the model's input contract (`eval_preset`). The folder's threshold
+    (`read_image`) through the preprocessing of the model's input contract (`eval_pipeline`). The folder's threshold
     lies in the widest gap between those scores near their median: each side holds labels, none is within rounding."""
     from safetensors.torch import save_file
 
     from datamodules.images import read_image
-    from datamodules.presets import eval_preset, input_contract
+    from datamodules.presets import ClassificationPresetEval
+    from datamodules.transforms import contract_of, eval_pipeline
     from deploy.publish import model_config
     from training.records.saved_run import SavedRun
 
@@ -277,7 +278,7 @@ def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tens
     torch.manual_seed(0)
     net = {"class_path": "lightning_modules.network.BackboneWithHead",
            "init_args": {"arch": "resnet18", "head_hidden": 16}}
-    contract = input_contract("imagenet", 32)
+    contract = contract_of(ClassificationPresetEval(image_size=32))
     model = ImageClassifier(num_classes=len(ANIMALS), class_names=ANIMALS, multilabel=True, net=network_factory(net),
                             levers={"channels_last": False}, input_contract=contract).eval()
     files = []
@@ -287,7 +288,7 @@ def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tens
         path = root / f"image{i}.{'png' if i % 2 else 'jpg'}"
         Image.fromarray(pixels.numpy()).save(path, **({} if i % 2 else {"quality": 90}))
         files.append(path)
-    preprocess = eval_preset(contract)
+    preprocess = eval_pipeline(contract)
     with torch.inference_mode():
         batch = torch.stack([preprocess(read_image(str(path))) for path in files])
         scores = dict(zip([p.name for p in files], model(batch).sigmoid(), strict=True))

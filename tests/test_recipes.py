@@ -37,8 +37,10 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
     # Shrunk as every test shrinks a shipped config: small images and batches, two epochs of two steps.
     run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"),
             "--config", str(CONFIGS / "recipes" / f"{recipe}.yaml"),
-            *TINY, "--data.root", str(images), "--data.batch_size", "4", "--data.train_transform.image_size",
-            "32", "--data.eval_transform.image_size", "40", "--trainer.max_epochs", "2",
+            *TINY, "--data.root", str(images), "--data.batch_size", "4",
+            "--data.image_size", "null",  # TINY's short form would replace the presets' own sides, set here (FixRes)
+            "--data.train_transform.image_size", "32", "--data.eval_transform.image_size", "40",
+            "--trainer.max_epochs", "2",
             "--trainer.limit_train_batches", "2",
             "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run),

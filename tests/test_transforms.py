@@ -12,12 +12,13 @@ import torch
 import yaml
 from torchvision.transforms import v2
 
-from datamodules import ImageFolderDataModule
+import datamodules.image_data
+from datamodules import ClassificationData, ImageFolderDataModule
 from datamodules.images import list_images, read_image
 from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain, input_contract
-from datamodules.transforms import build_transform, eval_transform_config
+from datamodules.transforms import build_transform, eval_pipeline
 from deploy.export import preprocessing
-from tests.helpers import killed_and_resumed, make_image_folder, resume_config, run_cli
+from tests.helpers import CONFIGS, killed_and_resumed, make_image_folder, resume_config, run_cli
 from tests.user_plugins import SquareResize
 from training.records.saved_run import SavedRun
 
@@ -29,22 +30,18 @@ USER_TRANSFORMS = {  # by YAML alone: a v2 Compose holding a user's step, and a 
 }
 
 
-def test_a_preset_runs_contract_holds_its_values_and_rebuilds_its_eval_transform(tmp_path):
-    data = ImageFolderDataModule(None, image_size=40, eval_transform=ClassificationPresetEval(image_size=48,
-                                                                                              resize_size=56))
+def test_a_preset_runs_contract_holds_its_values_and_rebuilds_its_eval_transform():
+    data = ImageFolderDataModule(None, train_transform=ClassificationPresetTrain(image_size=40),
+                                 eval_transform=ClassificationPresetEval(image_size=48, resize_size=56))
     contract = data.input_contract
     assert {k: v for k, v in contract.items() if k != "transform"} == input_contract("imagenet", 48, 56)
     rebuilt = build_transform(contract["transform"])
     image = torch.randint(0, 256, (3, 70, 60), dtype=torch.uint8)
-    assert torch.equal(rebuilt(image), ClassificationPresetEval(image_size=48, resize_size=56)(image))
-    # FixRes: the training preset keeps the short form's side, the evaluation one its own.
-    assert (data.train_image_size, data.eval_image_size) == (40, 48)
-    # A checkpoint older than the seam (values only, or only data hyperparameters) rebuilds the same preset.
-    values = {k: v for k, v in contract.items() if k != "transform"}
-    assert eval_transform_config(values) == contract["transform"]
-    old = SavedRun(tmp_path, {}, {"preset": "imagenet", "image_size": 40, "eval_image_size": 48,
-                                  "eval_resize_size": 56}, 0, None, {})
-    assert eval_transform_config(old.input_contract) == contract["transform"]
+    expected = ClassificationPresetEval(image_size=48, resize_size=56)(image)  # float, normalised
+    assert torch.equal(rebuilt(image), expected)
+    assert torch.equal(eval_pipeline(contract)(image), expected)  # what serving runs and export lists
+    # FixRes: each preset keeps its own side.
+    assert (data.device_batches.train_size, contract["image_size"]) == (40, 48)
 
 
 def test_a_users_eval_transform_states_the_contract_and_sets_the_float_stage():
@@ -54,7 +51,7 @@ def test_a_users_eval_transform_states_the_contract_and_sets_the_float_stage():
     assert (contract["image_size"], contract["mean"], contract["std"]) == (32, [0.4] * 3, [0.2] * 3)
     assert contract["transform"] is None  # built in Python: no config to rebuild it from
     x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
-    torch.testing.assert_close(data.float_transform(x), (x.float() / 255 - 0.4) / 0.2)
+    torch.testing.assert_close(data.device_batches.to_float(x), (x.float() / 255 - 0.4) / 0.2)
     # A contract that cannot state what a server needs is refused in one line, never guessed.
     with pytest.raises(ValueError, match=r"states no image_size, mean, std: export writes them"):
         preprocessing(ImageFolderDataModule(None, eval_transform=v2.Resize([32, 32])).input_contract)
@@ -79,11 +76,40 @@ def test_normalize_in_the_workers_and_two_normalisations_refused_at_fit(tmp_path
         clash.setup("fit")
 
 
-def test_the_preset_short_forms_still_set_both_presets():
+def test_the_short_forms_set_both_presets_over_their_own_and_say_what_they_replace(monkeypatch):
+    said = []
+    monkeypatch.setattr(datamodules.image_data, "rank_zero_info", said.append)
     data = ImageFolderDataModule(None, preset="none", image_size=48,
                                  train_transform=ClassificationPresetTrain(auto_augment="trivialaugment"))
     assert (data.train_transform.preset, data.train_transform.image_size) == ("none", 48)
     assert data.input_contract["transform"]["init_args"] == {"preset": "none", "image_size": 48, "resize_size": None}
+    assert said == []  # the presets stated neither: nothing replaced
+    data = ImageFolderDataModule(None, image_size=48, train_transform=ClassificationPresetTrain(image_size=160),
+                                 eval_transform=ClassificationPresetEval(image_size=224, resize_size=236))
+    assert (data.train_transform.image_size, data.eval_transform.image_size, data.eval_transform.resize_size) == (
+        48, 48, 55)  # the usual crop ratio of the new side
+    assert said == ["data.image_size=48 (short form) replaces data.train_transform.image_size=160, "
+                    "data.eval_transform.image_size=224, data.eval_transform.resize_size=236"]
+    with pytest.raises(ValueError, match="short forms for the shipped presets, and data.eval_transform is "
+                                         "SquareResize: set its own arguments"):
+        ImageFolderDataModule(None, image_size=48, eval_transform=SquareResize(32))
+
+
+def test_the_short_form_typed_last_wins_over_a_recipes_sizes_and_says_so(monkeypatch):
+    """The issue's command: the recipe sets 160 and 224 px, and --data.image_size 32, typed last, is what the data
+    source built from the printed config uses (it was 160 and 224, beside data.image_size: 32)."""
+    proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config",
+                   str(CONFIGS / "recipes" / "rsb_a3.yaml"), "--data.image_size", "32", "--print_config")
+    data = yaml.safe_load(proc.stdout)["data"]
+    assert data["init_args"]["image_size"] == 32
+    data["init_args"]["root"] = None  # built without reading a folder
+    said = []
+    monkeypatch.setattr(datamodules.image_data, "rank_zero_info", said.append)
+    built = ClassificationData.from_config(data)
+    assert (built.train_transform.image_size, built.eval_transform.image_size, built.input_contract["image_size"]) \
+        == (32, 32, 32)
+    assert said == ["data.image_size=32 (short form) replaces data.train_transform.image_size=160, "
+                    "data.eval_transform.image_size=224, data.eval_transform.resize_size=236"]
 
 
 # ---- a user's transforms, by YAML alone, through the real command -----------------------------------------------
@@ -98,8 +124,6 @@ def images(tmp_path_factory):
 def _config(folder, images) -> str:
     cfg = resume_config()
     cfg["data"].update(root=str(images), batch_size=8, num_workers=0, **USER_TRANSFORMS)
-    for key in ("preset", "image_size"):
-        cfg["data"].pop(key)
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

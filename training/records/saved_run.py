@@ -92,13 +92,8 @@ class SavedRun:
 
     @property
     def input_contract(self) -> dict[str, Any] | None:
-        """The model's evaluation preprocessing; from the DataModule's hyperparameters for checkpoints older than it."""
+        """The model's evaluation preprocessing (None: its data source stated none)."""
         contract = self.model.get("input_contract")
-        if contract is None and "preset" in self.data:
-            from datamodules.presets import input_contract
-
-            contract = input_contract(self.data["preset"], self.data.get("eval_image_size") or self.data["image_size"],
-                                      self.data.get("eval_resize_size"))
         return dict(contract) if contract is not None else None
 
     def finished(self, max_epochs: int | None, max_steps: int) -> str | None:
@@ -161,11 +156,11 @@ def explicit_class(explicit, section: str) -> str | None:
 def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: str, data_class: str,
                     named_class: str | None) -> dict:
     """What `validate|test|predict` of a checkpoint take from it: the run's data class (unless one is named), its
-    evaluation transform (`datamodules.transforms.eval_transform_config`), and on the run's own data root without a
-    val/ folder its held-out validation split. The keys the user set are obeyed: one warning line each where they
+    evaluation transform (the input contract's), and on the run's own data root without a val/ folder its held-out
+    validation split. The keys the user set are obeyed: one warning line each where they
     differ from training, and one line lists what was taken. Returns the data config's update: class_path and
     init_args. `data_class` is the config's data class, `named_class` the one the user named (None: none)."""
-    from datamodules.transforms import PRESET_EVAL, eval_transform_config, name_of, resolved_eval_config
+    from datamodules.transforms import name_of
 
     update, init, taken = {}, {}, {}
     trained_class = saved.data.get("_class_path")
@@ -174,32 +169,14 @@ def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: s
         # With the run's class, its arguments too (its folder or list, its sizes), unless the user set them.
         init |= {k: v for k, v in saved.data.items() if not k.startswith("_") and not set_by_user(k, explicit)}
     contract = saved.input_contract
-    trained = eval_transform_config(contract) if contract is not None else None
+    trained = (contract or {}).get("transform")
     if trained is not None and set_by_user("eval_transform", explicit):
-        asked = data.get("eval_transform")
-        asked = asked.as_dict() if hasattr(asked, "as_dict") else asked
-        asked = resolved_eval_config(asked, data.get("preset"), data.get("image_size"))
+        asked = _eval_transform_as_run(data)
         if asked != trained:
             warn_line(f"data.eval_transform={name_of(asked)} is set, and the model was trained with "
                       f"{name_of(trained)} ({saved.path}): {command} uses the one set")
-    elif trained is not None and trained["class_path"] == PRESET_EVAL:
-        # The shipped preset through its short forms, data.preset and data.image_size, which the user may set.
-        values = dict(trained["init_args"])
-        for key in ("preset", "image_size"):
-            if not set_by_user(key, explicit):
-                init[key] = taken[f"data.{key}"] = values[key]
-            elif data.get(key) != values[key]:
-                warn_line(f"data.{key}={data.get(key)} is set, and the model was trained with {values[key]} "
-                          f"({saved.path}): {command} uses {data.get(key)}")
-                if key == "image_size":
-                    values["resize_size"] = None  # the usual crop ratio of the side asked for
-        resize = values.get("resize_size")
-        init["eval_transform"] = {"class_path": PRESET_EVAL, "init_args": {"preset": None, "image_size": None,
-                                                                          "resize_size": resize}}
-        if resize is not None:
-            taken["data.eval_transform.resize_size"] = resize
     elif trained is not None:
-        init["eval_transform"] = trained
+        init["eval_transform"] = _with_short_forms_set(trained, data, explicit, saved, command)
         taken["data.eval_transform"] = name_of(trained)
     root = data.get("root")
     if root and saved.data.get("root") and _same_path(root, saved.data["root"]) and not (Path(root) / "val").is_dir():
@@ -214,6 +191,35 @@ def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: s
         shown = ", ".join(f"{k}={v}" for k, v in taken.items())
         rank_zero_info(f"{command}: as the model was trained ({saved.path}): {shown}")
     return update
+
+
+def _eval_transform_as_run(data) -> dict | None:
+    """The config of the evaluation transform that `data` (a data config) runs: its data.eval_transform (the default
+    preset when null) under the short forms, as the DataModule places them; comparable with a contract's."""
+    from datamodules.presets import ClassificationPresetEval, with_short_forms
+    from datamodules.transforms import build_transform, transform_config
+
+    asked = data.get("eval_transform")
+    asked = asked.as_dict() if hasattr(asked, "as_dict") else asked
+    transform = build_transform(asked) if asked else ClassificationPresetEval()
+    transform, _ = with_short_forms(transform, "data.eval_transform", data.get("preset"), data.get("image_size"))
+    return transform_config(transform, asked)
+
+
+def _with_short_forms_set(trained: dict, data, explicit: set[str] | None, saved: SavedRun, command: str) -> dict:
+    """The trained evaluation transform, with the short forms the user set (data.preset, data.image_size) over its
+    own where it has them: one warning line each that differs. A side set resets resize_size to its usual ratio."""
+    values = dict(trained.get("init_args") or {})
+    for key in ("preset", "image_size"):
+        asked = data.get(key)
+        if asked is None or key not in values or asked == values[key] or not set_by_user(key, explicit):
+            continue
+        warn_line(f"data.{key}={asked} is set, and the model was trained with {values[key]} ({saved.path}): "
+                  f"{command} uses {asked}")
+        values[key] = asked
+        if key == "image_size" and "resize_size" in values:
+            values["resize_size"] = None
+    return {"class_path": trained["class_path"], "init_args": values}
 
 
 @rank_zero_only

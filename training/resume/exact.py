@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
-from core.seeding import batch_seed
+from core.seeding import batch_seed, run_seed
 from training.resume.faults import PREEMPTED, set_sampler_epoch
 
 
@@ -46,7 +45,7 @@ class ExactResume(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # seed_everything exports its seed; without one the run is not reproducible anyway.
-        self._base = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self._base = self.seed if self.seed is not None else run_seed()
         self._trainer = trainer
 
     def state_dict(self) -> dict:
