@@ -207,7 +207,7 @@ def recipe(saved: SavedRun, run_config: dict) -> list[tuple[str, str]]:
         return "the recipe's default" if value is None else str(value)
 
     spec = network_spec(hp)
-    trained_from = ((hp.get("net") or {}).get("init_args") or {}).get("weights") or hp.get("weights")
+    trained_from = ((hp.get("net") or {}).get("init_args") or {}).get("weights")
     recipe = hp.get("recipe") or {}
     rows = [("network", f"{spec['class_path'].rsplit('.', 1)[-1]}("
                         + ", ".join(f"{k}={v}" for k, v in spec["init_args"].items() if k != "weights") + ")"),
@@ -223,18 +223,14 @@ def recipe(saved: SavedRun, run_config: dict) -> list[tuple[str, str]]:
                 ("preset", data.get("preset")),
                 ("auto_augment", transform_arg(data, "train_transform", "auto_augment")),
                 ("random_erasing", transform_arg(data, "train_transform", "random_erasing"))) if v is not None)
-             + f", mixup={recipe.get('mixup_alpha', hp.get('mixup_alpha', 0))}, "
-               f"cutmix={recipe.get('cutmix_alpha', hp.get('cutmix_alpha', 0))}")]
+             + f", mixup={recipe.get('mixup_alpha', 0)}, cutmix={recipe.get('cutmix_alpha', 0)}")]
     return rows
 
 
 def transform_arg(data: dict, transform: str, key: str):
-    """An argument of a data transform's config (`data.train_transform`), or the flat key of data hyperparameters
-    older than the transform seam."""
+    """An argument of a data transform's config (`data.train_transform`), None where it has none."""
     config = data.get(transform)
-    args = (config.get("init_args") or {}) if isinstance(config, dict) else {}
-    old = {"train_transform": {"image_size": "train_image_size"}}.get(transform, {}).get(key, key)
-    return args.get(key) if args.get(key) is not None else data.get(old)
+    return ((config.get("init_args") or {}) if isinstance(config, dict) else {}).get(key)
 
 
 def model_card(saved: SavedRun, config: dict, run: Path, has_confusion: bool):

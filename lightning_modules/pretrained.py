@@ -22,19 +22,16 @@ WEIGHTS_FILE = "model.safetensors"
 LIBRARY = "imgcls"
 FORMAT_VERSION = 1
 DEFAULT_NETWORK = "lightning_modules.network.BackboneWithHead"
-# The network arguments of checkpoints older than the network seam (model.net): those of BackboneWithHead.
-OLD_NETWORK_ARGS = ("arch", "head_hidden", "dropout")
 
 
 def network_spec(hparams: dict[str, Any]) -> dict[str, Any]:
     """The network of a model's hyperparameters (a checkpoint's) as {"class_path", "init_args"}, its `weights` None
-    (a folder's weights are model.safetensors): the one place that knows where the model keeps it. A checkpoint
-    older than `model.net` kept the default network's arguments beside the others."""
+    (a folder's weights are model.safetensors): the one place that knows where the model keeps it."""
     net = hparams.get("net")
-    if isinstance(net, dict) and net.get("class_path"):
-        init_args = dict(net.get("init_args") or {})
-    else:
-        net, init_args = {"class_path": DEFAULT_NETWORK}, {k: hparams[k] for k in OLD_NETWORK_ARGS if k in hparams}
+    if not (isinstance(net, dict) and net.get("class_path")):
+        raise ValueError("the checkpoint's hyperparameters hold no network (model.net as class_path and init_args): "
+                         "it was not written by this imgcls")
+    init_args = dict(net.get("init_args") or {})
     if "weights" in init_args or net["class_path"] == DEFAULT_NETWORK:
         init_args["weights"] = None
     return {"class_path": net["class_path"], "init_args": init_args}
