@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -205,6 +207,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def service_unavailable(reason: str) -> NoReturn:
+    """Skip a test whose service (a daemon from Debian's packages) cannot be had here, in one line; under CI=true,
+    where .ci/run promises every test its services, fail instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def apt_install(packages: tuple[str, ...], missing: str) -> None:
+    """apt-get install Debian's `packages` (their .deb files stay in apt's cache for the next install); `missing` says
+    what is not installed. Where that cannot be (no root, no apt-get, no network nor cached .deb), service_unavailable.
+    """
+    what = f"{missing} and `apt-get install {' '.join(packages)}`"
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        service_unavailable(f"{what} needs apt-get and root (uid {os.geteuid()})")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # A failed update (no network) may still leave lists that match the cached .deb files.
+    subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=180)
+    proc = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120",
+                           "-o", "APT::Keep-Downloaded-Packages=true", *packages],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        service_unavailable(f"{what} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-500:]}")
 
 
 def make_image_folder(root: Path, classes: dict[str, int], *, splits=("train", "val"), size: int = 40,
