@@ -172,7 +172,7 @@ def _trials(db: Path, name: str) -> list:
         return []
 
 
-def _last_scalar(run_dir: Path, tag: str) -> float:
+def last_scalar(run_dir: Path, tag: str) -> float:
     values = []
     for events in sorted(run_dir.glob("events.out.tfevents.*")):
         acc = EventAccumulator(str(events))
@@ -243,7 +243,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     best = optuna.load_study(study_name="grid3", storage=f"sqlite:///{db}").best_trial
     assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
     run_cli("fit", "--config", str(out / "best.yaml"))
-    assert _last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)
+    assert last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)
 
 
 @pytest.mark.slow
