@@ -39,6 +39,10 @@ from training.records.secrets import redact_secrets
 from training.sweeps.space import Sweep, SweepFileError, check_keys, load_sweep, make_pruner, make_sampler
 from training.sweeps.trial import TrialFailed, open_storage, run_trial, storage_file
 
+# A database storage's heartbeat, and the age of a trial's last one at which it counts as dead (seconds): the defaults
+# of --heartbeat and --grace.
+HEARTBEAT, GRACE = 30, 120
+
 # ---- the study --------------------------------------------------------------------------------------------------
 
 class RetryStale:
@@ -188,9 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=1, help="trials run at once on this machine")
     parser.add_argument("--trials", type=int, help="trials of a random/bayes sweep (default: run_cap)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    parser.add_argument("--heartbeat", type=int, default=30, metavar="SECONDS",
+    parser.add_argument("--heartbeat", type=int, default=HEARTBEAT, metavar="SECONDS",
                         help="a database storage's heartbeat: how often a worker says that its trials still run")
-    parser.add_argument("--grace", type=int, default=120, metavar="SECONDS",
+    parser.add_argument("--grace", type=int, default=GRACE, metavar="SECONDS",
                         help="a trial whose worker has sent no heartbeat for this long is failed and retried; "
                              "give every worker of a sweep the same --heartbeat and --grace")
     return parser
