@@ -37,7 +37,7 @@ import yaml
 
 from training.records.secrets import redact_secrets
 from training.sweeps.space import Sweep, SweepFileError, check_keys, load_sweep, make_pruner, make_sampler
-from training.sweeps.trial import TrialFailed, open_storage, run_trial, storage_file
+from training.sweeps.trial import STORAGE_ENV_VAR, TrialFailed, open_storage, run_trial, storage_file
 
 # A database storage's heartbeat, and the age of a trial's last one at which it counts as dead (seconds): the defaults
 # of --heartbeat and --grace.
@@ -185,18 +185,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imgcls sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="sweep file in the W&B sweep schema")
     parser.add_argument("--out", help="sweep folder (default runs/sweeps/<name>)")
-    parser.add_argument("--storage", default=os.environ.get("IMGCLS_SWEEP_STORAGE"),
+    parser.add_argument("--storage", default=os.environ.get(STORAGE_ENV_VAR),
                         help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/sweep.db), or "
                              "journal:///<path> for a journal file (many workers on one machine); also read from "
-                             "$IMGCLS_SWEEP_STORAGE, which keeps a password off the command line")
+                             f"${STORAGE_ENV_VAR}, which keeps a password off the command line")
     parser.add_argument("--workers", type=int, default=1, help="trials run at once on this machine")
     parser.add_argument("--trials", type=int, help="trials of a random/bayes sweep (default: run_cap)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     parser.add_argument("--heartbeat", type=int, default=HEARTBEAT, metavar="SECONDS",
-                        help="a database storage's heartbeat: how often a worker says that its trials still run")
+                        help="a database storage's heartbeat: how often a worker says that its trials still run "
+                             "(default %(default)s)")
     parser.add_argument("--grace", type=int, default=GRACE, metavar="SECONDS",
-                        help="a trial whose worker has sent no heartbeat for this long is failed and retried; "
-                             "give every worker of a sweep the same --heartbeat and --grace")
+                        help="a trial whose worker has sent no heartbeat for this long is failed and retried "
+                             "(default %(default)s); give every worker of a sweep the same --heartbeat and --grace")
     return parser
 
 
@@ -273,7 +274,7 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
         if todo > 0:
             study.optimize(lambda trial: run_trial(trial, sweep, out, url), n_trials=todo, n_jobs=workers,
                            catch=(TrialFailed,), callbacks=stop)
-            before, todo = todo, remaining(study, sweep, budget)
+            before, todo, waiting = todo, remaining(study, sweep, budget), False
             if todo >= before or sweep.method != "grid":
                 break  # failures are retried by the next invocation, not in a loop here
         elif sweep.method == "grid" and isinstance(storage, optuna.storages.RDBStorage) and (

@@ -15,20 +15,19 @@ import os
 import sys
 
 from training.records.secrets import redact_secrets
-from training.sweeps.trial import open_storage
+from training.sweeps.trial import STORAGE_ENV_VAR, open_storage
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training.sweeps.dashboard", description=__doc__.splitlines()[0])
-    parser.add_argument("--storage", default=os.environ.get("IMGCLS_SWEEP_STORAGE"),
-                        help="the sweep's storage, as `imgcls sweep --storage` takes it (default "
-                             "$IMGCLS_SWEEP_STORAGE)")
+    parser.add_argument("--storage", default=os.environ.get(STORAGE_ENV_VAR),
+                        help=f"the sweep's storage, as `imgcls sweep --storage` takes it (default ${STORAGE_ENV_VAR})")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (another machine: an SSH tunnel)")
     parser.add_argument("--port", type=int, default=8080)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     if not args.storage:
         raise SystemExit("error: no storage: pass --storage URL (e.g. sqlite:///runs/sweeps/<name>/sweep.db) or set "
-                         "IMGCLS_SWEEP_STORAGE")
+                         f"{STORAGE_ENV_VAR}")
     from optuna_dashboard import run_server
 
     print(f"sweep dashboard of {redact_secrets(args.storage)} on http://{args.host}:{args.port}/", flush=True)

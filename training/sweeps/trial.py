@@ -20,6 +20,7 @@ from pathlib import Path
 
 from training.sweeps.space import Sweep, make_pruner, suggest, trial_args
 
+STORAGE_ENV_VAR = "IMGCLS_SWEEP_STORAGE"  # the storage URL for `imgcls sweep` and its dashboard, password kept off argv
 TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial number, metric, pruner
 TRIAL_COMMAND = [sys.executable, "-m", "training.sweeps.trial"]  # the trial process, before `fit <arguments>`
 # optuna-integration's private protocol for a trainer in another process: where it leaves each epoch's metric and its
