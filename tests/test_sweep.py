@@ -30,6 +30,10 @@ from training.sweeps.command import print_table, remaining, write_best
 from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
 from training.sweeps.trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
 
+# Optuna's heartbeat and retry API is experimental: `imgcls sweep` ignores the warnings it raises (run_sweep), so do
+# the tests that call its parts.
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 LR, WD = "model.optimizer.lr", "model.optimizer.weight_decay"  # the swept keys: init_args of the optimizer
 
@@ -159,6 +163,22 @@ def test_grid_of_two_parameters_runs_each_combination_once(tmp_path):
     points = [(t.params[LR], t.params[WD]) for t in study.trials]
     assert sorted(points) == [(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)]
     assert remaining(study, sweep, None) == 0
+
+
+def test_grid_counts_the_point_of_a_killed_and_retried_trial_once(tmp_path):
+    """A sweep killed between a trial's two suggestions leaves that trial failed with one parameter of two; its retry
+    (a new number, the whole point) holds the point, so the point nobody took is still to run. (The killed and
+    resumed sweep below once ended a point short that way.) A trial still without all its parameters takes a point."""
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path))
+    study = optuna.create_study(direction="maximize")
+    space = {LR: CategoricalDistribution([0.02, 0.2]), WD: CategoricalDistribution([0.0, 0.05])}
+    study.add_trial(create_trial(params={LR: 0.02, WD: 0.0}, distributions=space, value=0.5))
+    study.add_trial(create_trial(params={LR: 0.2}, distributions={LR: space[LR]}, state=TrialState.FAIL))
+    study.add_trial(create_trial(params={LR: 0.2, WD: 0.05}, distributions=space, value=0.25,
+                                 system_attrs={"failed_trial": 1, "retry_history": [1]}))
+    assert remaining(study, sweep, None) == 2  # (0.02, 0.05) and (0.2, 0.0): 3 trials of a grid of 4 took 2
+    study.add_trial(create_trial(params={LR: 0.02}, distributions={LR: space[LR]}, state=TrialState.RUNNING))
+    assert remaining(study, sweep, None) == 1
 
 
 @pytest.mark.parametrize("change, key", [
@@ -326,7 +346,7 @@ def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypat
     assert [t.state for t in trials].count(TrialState.COMPLETE) in (3, 4), [t.state for t in trials]
 
 
-@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning", "ignore:Heartbeat of storage is supposed")
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed")  # the dead worker's trial, asked by hand
 def test_grid_worker_waits_for_a_dead_workers_trial_and_retries_it_once(tmp_path, monkeypatch, capsys):
     """A trial whose worker stopped sending heartbeats holds one grid point: the sweep runs the other points, waits
     instead of repeating that one, fails it once its heartbeat is --grace old, and runs its retry; one line says so.

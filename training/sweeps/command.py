@@ -111,6 +111,7 @@ def requeue(storage, name: str, *, sole_worker: bool) -> int:
 def remaining(study, sweep: Sweep, budget: int | None) -> int:
     """Trials for this worker to start: a grid's points that no trial has taken yet, plus the queued retries; else
     the budget less the finished trials of every worker."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
@@ -118,10 +119,13 @@ def remaining(study, sweep: Sweep, budget: int | None) -> int:
         size = 1
         for values in sweep.grid.values():
             size *= len(values)
-        started = [t for t in trials if t.state != TrialState.WAITING]
-        # A trial just asked has no parameters yet: it stands for the point its sampler is about to pick.
-        taken = {tuple(t.params.get(k) for k in sweep.grid) if t.params else t.number for t in started}
-        return max(0, size - len(taken)) + len(trials) - len(started)
+        retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
+        started = [t for t in trials if t.state != TrialState.WAITING and t.number not in retried]
+        # A trial just asked has not all its parameters yet (one killed then keeps them so): it stands for the point
+        # its sampler picked. A retried one stands for none: its retry holds its point.
+        taken = {tuple(t.params[k] for k in sweep.grid) if t.params.keys() >= sweep.grid.keys() else t.number
+                 for t in started}
+        return max(0, size - len(taken)) + sum(t.state == TrialState.WAITING for t in trials)
     done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     return max(0, (budget or 0) - len(done))
 
