@@ -28,7 +28,7 @@ from tests.helpers import CONFIGS, ROOT, apt_install, free_port, run_cli, servic
 from tests.postgres import PACKAGES, Unavailable, server_bin, throwaway_server
 from tests.test_sweep import LR, WD, last_scalar, sweep_command, write_sweep
 
-HEARTBEAT, GRACE = 1, 5  # seconds: `imgcls sweep --heartbeat --grace`, shortened from 30 and 120
+HEARTBEAT, GRACE = 1, 5  # seconds: `imgcls sweep --heartbeat --grace`, shortened from the defaults in command.py
 
 
 @pytest.fixture(scope="module")
