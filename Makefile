@@ -9,7 +9,7 @@ DATA   ?= data/digits
 CONFIG ?= configs/quickstart.yaml
 RUNS   ?= runs
 
-.PHONY: install train data test test-fast bench bench-quick gpu-wheels gpu-check dashboard lint clean
+.PHONY: install train data test test-fast bench bench-quick gpu-wheels gpu-check dashboard sweep-dashboard lint clean
 
 install: $(STAMP)
 
@@ -51,6 +51,14 @@ gpu-check:
 
 dashboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUNS) --host 127.0.0.1
+
+# A sweep's trials in optuna-dashboard on http://127.0.0.1:$(PORT) (training/sweeps/dashboard.py). STORAGE as
+# `imgcls sweep --storage` takes it, default $$IMGCLS_SWEEP_STORAGE; it reaches the dashboard through the environment,
+# so a password in it is neither echoed here nor shown by `ps`.
+PORT ?= 8080
+sweep-dashboard: export IMGCLS_SWEEP_STORAGE := $(or $(STORAGE),$(IMGCLS_SWEEP_STORAGE))
+sweep-dashboard: $(STAMP)
+	$(BIN)/python -m training.sweeps.dashboard --port $(PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

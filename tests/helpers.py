@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -150,15 +152,6 @@ def fit_run(config: Path, run: Path, *extra: str, check: bool = True) -> subproc
                    env=cli_env(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"), timeout=300)
 
 
-def unavailable(reason: str):
-    """A service a test needs (a SLURM cluster, a database server) cannot be had here: skipped with `reason` on a
-    developer's machine, failed under CI (CI=true), where `.ci/run` provides every service and a skip would pass a
-    test that never ran."""
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"{reason} (CI=true: a test CI cannot run fails)", pytrace=False)
-    pytest.skip(reason)
-
-
 def printed_metrics(stdout: str) -> dict[str, float]:
     """The metric table Lightning prints after validate/test."""
     return {k: float(v) for k, v in re.findall(r"│\s*([a-z_]+/[a-z0-9_]+)\s*│\s*([-+0-9.e]+)\s*│", stdout)}
@@ -220,6 +213,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def service_unavailable(reason: str) -> NoReturn:
+    """Skip a test whose service (a daemon from Debian's packages) cannot be had here, in one line; under CI=true,
+    where .ci/run promises every test its services, fail instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def apt_install(packages: tuple[str, ...], missing: str) -> None:
+    """apt-get install Debian's `packages` (their .deb files stay in apt's cache for the next install); `missing` says
+    what is not installed. Where that cannot be (no root, no apt-get, no network nor cached .deb), service_unavailable.
+    """
+    what = f"{missing} and `apt-get install {' '.join(packages)}`"
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        service_unavailable(f"{what} needs apt-get and root (uid {os.geteuid()})")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # A failed update (no network) may still leave lists that match the cached .deb files.
+    subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=180)
+    proc = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120",
+                           "-o", "APT::Keep-Downloaded-Packages=true", *packages],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        service_unavailable(f"{what} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-500:]}")
 
 
 def make_image_folder(root: Path, classes: dict[str, int], *, splits=("train", "val"), size: int = 40,

@@ -16,6 +16,7 @@ import torch
 from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
+from tests.postgres import server_bin
 
 
 def _tables(markdown: str) -> dict[str, list[list[str]]]:
@@ -108,6 +109,15 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     assert [r[0] for r in distributed[1:5]] == ["none", "fp16", "bf16", "powersgd"]
     ratios = {r[0]: _num(r[4]) for r in distributed[1:5]}  # bytes all-reduced vs none, counted on ResNet50
     assert ratios["fp16"] == ratios["bf16"] == 0.5 and ratios["powersgd"] <= 0.05
+
+    retry = text.split("## Sweep retry after a worker's death", 1)[1]
+    # Without a PostgreSQL server it is skipped, saying why (tests/test_sweep_postgres.py installs one).
+    assert ("Not measured: PostgreSQL's server is not installed" in retry) == (server_bin() is None)
+    if server_bin() is not None:  # quick: --heartbeat 1 --grace 3: failed 2 to 3 s after the kill, and a look (1 s)
+        assert tables["Sweep retry after a worker's death"][0] == ["death", "kill -> trial failed, s",
+                                                                   "kill -> retry started, s"]
+        failed, started = (_num(c) for c in tables["Sweep retry after a worker's death"][1][1:3])
+        assert 1.5 <= failed <= started < 10
 
 
 def test_the_loop_benchmark_quiets_lightning_only_while_it_measures(monkeypatch):

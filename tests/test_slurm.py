@@ -2,9 +2,9 @@
 `scancel -s USR1` preempts it, the script requeues it, and the requeued job ends with an uninterrupted run's weights.
 
 Needs root: to run the daemons, and to install Debian's packages with apt-get where they are missing (their .deb files
-stay in apt's cache for the next install); elsewhere the test skips, naming what is missing (under CI=true it fails
-instead). The daemons it starts read no file in /etc: their config, key, state and logs are in the test's folders,
-on ports of their own, and they are stopped when the test ends, passed or failed.
+stay in apt's cache for the next install); elsewhere the test skips, naming what is missing (under CI=true it fails).
+The daemons it starts read no file in /etc: their config, key, state and logs are in the test's folders, on ports of
+their own, and they are stopped when the test ends, passed or failed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,18 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, max_diff, run_cli, unavailable
+from tests.helpers import (
+    CONFIGS,
+    ROOT,
+    TINY,
+    apt_install,
+    cli_env,
+    free_port,
+    make_image_folder,
+    max_diff,
+    run_cli,
+    service_unavailable,
+)
 
 SCRIPT = ROOT / "docs" / "examples" / "slurm.sbatch"
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")  # Debian's; bookworm ships SLURM 22.05
@@ -91,22 +102,10 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 
 def _install_slurm() -> None:
-    """apt-get the missing daemons and clients (their .deb files stay in apt's cache); skip where that cannot be."""
+    """apt-get the missing daemons and clients; skip (fail under CI) where that cannot be."""
     missing = [b for b in BINARIES if shutil.which(b, path=SBIN_PATH) is None]
-    if not missing:
-        return
-    what = f"SLURM is not installed ({', '.join(missing)} not found)"
-    if shutil.which("apt-get") is None:
-        unavailable(f"{what} and there is no apt-get to install {' '.join(PACKAGES)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    # A failed update (no network) may still leave lists that match the cached .deb files.
-    subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=180)
-    proc = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120",
-                           "-o", "APT::Keep-Downloaded-Packages=true", *PACKAGES],
-                          env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        unavailable(f"{what} and `apt-get install {' '.join(PACKAGES)}` failed (exit {proc.returncode}): "
-                    f"{(proc.stderr or proc.stdout).strip()[-500:]}")
+    if missing:
+        apt_install(PACKAGES, f"SLURM is not installed ({', '.join(missing)} not found)")
 
 
 class Cluster:
@@ -235,8 +234,8 @@ def _processes_with(variable: str) -> list[tuple[int, str]]:
 def slurm(tmp_path):
     """A one-node SLURM cluster of TASKS CPUs, up for one test; stopped afterwards, also when the test fails."""
     if os.geteuid() != 0:
-        unavailable(f"SLURM's daemons (munged, slurmctld, slurmd) need root and apt-get to install them; "
-                    f"running as uid {os.geteuid()}")
+        service_unavailable(f"SLURM's daemons (munged, slurmctld, slurmd) need root and apt-get to install them; "
+                            f"running as uid {os.geteuid()}")
     _install_slurm()
     folder = tmp_path / "slurm"
     folder.mkdir()

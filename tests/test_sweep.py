@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -25,9 +26,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli, wandb_offline_env, wandb_run_record
 from training.cli.app import cli_main
 from training.sweeps.command import main as sweep_main
-from training.sweeps.command import print_table, remaining
+from training.sweeps.command import print_table, remaining, write_best
 from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
 from training.sweeps.trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
+
+# Optuna's heartbeat and retry API is experimental: `imgcls sweep` ignores the warnings it raises (run_sweep), so do
+# the tests that call its parts.
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 LR, WD = "model.optimizer.lr", "model.optimizer.weight_decay"  # the swept keys: init_args of the optimizer
@@ -115,6 +120,28 @@ def test_result_table_is_sorted_by_the_metric(tmp_path, capsys, goal, order):
     assert [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")] == order
 
 
+def test_best_yaml_comes_from_the_study_not_the_trials_folder(tmp_path):
+    """Any worker writes best.yaml from the config its best trial left in the study: that trial may have run on
+    another machine, whose folder this one cannot read (none of these folders exists)."""
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path))
+    study = optuna.create_study(direction="maximize")
+    space = {LR: CategoricalDistribution([0.02, 0.2]), WD: CategoricalDistribution([0.0])}
+    for number, lr in enumerate([0.02, 0.2]):
+        run_dir = tmp_path / "other_machine" / f"trial_{number:04d}"
+        config = {"model": {"optimizer": {"init_args": {"lr": lr}}},
+                  "trainer": {"default_root_dir": str(run_dir), "callbacks": [{"dirpath": str(run_dir / "ckpt")}]}}
+        study.add_trial(create_trial(params={LR: lr, WD: 0.0}, distributions=space, value=lr,
+                                     user_attrs={"run_dir": str(run_dir), "config": yaml.safe_dump(config)}))
+    out = tmp_path / "sweep"
+    out.mkdir()
+    path = write_best(study, sweep, out)
+    assert path.read_text().startswith(f"# Best trial of sweep {sweep.name}: trial 1, val/acc = 0.2\n")
+    best = yaml.safe_load(path.read_text())
+    assert best["model"]["optimizer"]["init_args"]["lr"] == 0.2
+    moved = {"default_root_dir": str(out / "best"), "callbacks": [{"dirpath": str(out / "best" / "ckpt")}]}
+    assert best["trainer"] == moved
+
+
 def test_grid_expands_ranges_and_args_match_wandb_format(tmp_path):
     path = write_sweep(tmp_path / "s.yaml", tmp_path, parameters={
         "trainer.max_epochs": {"distribution": "int_uniform", "min": 1, "max": 3},
@@ -136,6 +163,22 @@ def test_grid_of_two_parameters_runs_each_combination_once(tmp_path):
     points = [(t.params[LR], t.params[WD]) for t in study.trials]
     assert sorted(points) == [(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)]
     assert remaining(study, sweep, None) == 0
+
+
+def test_grid_counts_the_point_of_a_killed_and_retried_trial_once(tmp_path):
+    """A sweep killed between a trial's two suggestions leaves that trial failed with one parameter of two; its retry
+    (a new number, the whole point) holds the point, so the point nobody took is still to run. (The killed and
+    resumed sweep below once ended a point short that way.) A trial still without all its parameters takes a point."""
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path))
+    study = optuna.create_study(direction="maximize")
+    space = {LR: CategoricalDistribution([0.02, 0.2]), WD: CategoricalDistribution([0.0, 0.05])}
+    study.add_trial(create_trial(params={LR: 0.02, WD: 0.0}, distributions=space, value=0.5))
+    study.add_trial(create_trial(params={LR: 0.2}, distributions={LR: space[LR]}, state=TrialState.FAIL))
+    study.add_trial(create_trial(params={LR: 0.2, WD: 0.05}, distributions=space, value=0.25,
+                                 system_attrs={"failed_trial": 1, "retry_history": [1]}))
+    assert remaining(study, sweep, None) == 2  # (0.02, 0.05) and (0.2, 0.0): 3 trials of a grid of 4 took 2
+    study.add_trial(create_trial(params={LR: 0.02}, distributions={LR: space[LR]}, state=TrialState.RUNNING))
+    assert remaining(study, sweep, None) == 1
 
 
 @pytest.mark.parametrize("change, key", [
@@ -172,7 +215,7 @@ def _trials(db: Path, name: str) -> list:
         return []
 
 
-def _last_scalar(run_dir: Path, tag: str) -> float:
+def last_scalar(run_dir: Path, tag: str) -> float:
     values = []
     for events in sorted(run_dir.glob("events.out.tfevents.*")):
         acc = EventAccumulator(str(events))
@@ -243,7 +286,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     best = optuna.load_study(study_name="grid3", storage=f"sqlite:///{db}").best_trial
     assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
     run_cli("fit", "--config", str(out / "best.yaml"))
-    assert _last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)
+    assert last_scalar(out / "best", "val/acc") == pytest.approx(best.value, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -301,6 +344,45 @@ def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypat
             sweep.result()
     trials = optuna.load_study(study_name="capped", storage=open_storage(url)).trials
     assert [t.state for t in trials].count(TrialState.COMPLETE) in (3, 4), [t.state for t in trials]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed")  # the dead worker's trial, asked by hand
+def test_grid_worker_waits_for_a_dead_workers_trial_and_retries_it_once(tmp_path, monkeypatch, capsys):
+    """A trial whose worker stopped sending heartbeats holds one grid point: the sweep runs the other points, waits
+    instead of repeating that one, fails it once its heartbeat is --grace old, and runs its retry; one line says so.
+    SQLite in one process here (tests/test_sweep_postgres.py: two worker processes on PostgreSQL, one killed)."""
+    path = write_sweep(tmp_path / "grid.yaml", tmp_path, name="dead")
+    sweep, url, out = load_sweep(path), f"sqlite:///{tmp_path / 'shared.db'}", tmp_path / "sweep"
+
+    def trial_in_memory(trial, sweep, out, url):
+        params = suggest(trial, sweep)
+        trial.set_user_attr("run_dir", str(out / f"trial_{trial.number:04d}"))
+        trial.set_user_attr("config", yaml.safe_dump(params))
+        return params[LR] + params[WD]
+
+    monkeypatch.setattr("training.sweeps.command.check_keys", lambda sweep: None)
+    monkeypatch.setattr("training.sweeps.command.run_trial", trial_in_memory)
+    # The dead worker: it took trial 0's point and sent one heartbeat. It shares the file, as a live sweep holds its
+    # lock shared: this sweep is not alone there, so only the heartbeat tells that trial 0 is dead.
+    storage = open_storage(url, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(study_name="dead", storage=storage, direction="maximize",
+                                sampler=make_sampler(sweep, seed=0))
+    dead = study.ask()
+    suggest(dead, sweep)
+    dead.set_user_attr("worker", "host-a pid 99")
+    storage.record_heartbeat(storage.get_trial_id_from_study_id_trial_number(
+        storage.get_study_id_from_name("dead"), dead.number))
+    with open(tmp_path / ".shared.db.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        sweep_main(["--config", str(path), "--out", str(out), "--storage", url, "--heartbeat", "1", "--grace", "2"])
+    trials = optuna.load_study(study_name="dead", storage=url).trials
+    assert [t.state for t in trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 4
+    done = sorted((t.params[LR], t.params[WD]) for t in trials[1:])
+    assert done == [(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)]  # each point once, trial 0's by its retry
+    assert trials[4].params == dead.params and trials[4].system_attrs["failed_trial"] == 0
+    printed = capsys.readouterr().out
+    assert f"trial 0 ({LR}={dead.params[LR]}, {WD}={dead.params[WD]}) is retried as trial 4: its worker (host-a " \
+           "pid 99) sent no heartbeat for 2 s\n" in printed
 
 
 def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatch):

@@ -12,9 +12,12 @@ because the storage would then follow `--workers`, and a sweep resumed with anot
 `run_cap` (or `--trials`) counts the finished (complete or pruned) trials of every worker of the study: a worker
 stops starting trials once it is reached (`MaxTrialsCallback`); a grid runs each of its points once instead.
 Rerunning the same command resumes: finished trials are kept, failed or interrupted ones are retried (through the
-database's heartbeat when another worker may still run them; a journal has none, so a trial left running by a dead
-worker is retried by the next sweep that is alone on that journal). At the end a table sorted by the metric is
-printed and `<out>/best.yaml` is written: `imgcls fit --config <out>/best.yaml` reruns the best trial.
+database's heartbeat when another worker may still run them: every `--heartbeat` seconds while a trial runs, and a
+trial whose worker has sent none for `--grace` seconds is failed and queued again, saying so in one line; a journal
+has none, so a trial left running by a dead worker is retried by the next sweep that is alone on that journal). A
+grid worker with no point left to start waits for the points other workers run, to retry any whose worker dies.
+At the end a table sorted by the metric is printed and `<out>/best.yaml` is written: `imgcls fit --config
+<out>/best.yaml` reruns the best trial.
 
 The sweep file's schema is in training/sweeps/space.py, one trial's process in training/sweeps/trial.py.
 """
@@ -32,21 +35,43 @@ from pathlib import Path
 
 import yaml
 
+from training.records.secrets import redact_secrets
 from training.sweeps.space import Sweep, SweepFileError, check_keys, load_sweep, make_pruner, make_sampler
-from training.sweeps.trial import TrialFailed, open_storage, run_trial, storage_file
+from training.sweeps.trial import STORAGE_ENV_VAR, TrialFailed, open_storage, run_trial, storage_file
+
+# A database storage's heartbeat, and the age of a trial's last one at which it counts as dead (seconds): the defaults
+# of --heartbeat and --grace.
+HEARTBEAT, GRACE = 30, 120
 
 # ---- the study --------------------------------------------------------------------------------------------------
 
-def connect(url: str):
+class RetryStale:
+    """Optuna's retry of a trial whose worker stopped sending heartbeats (a WAITING copy with the same parameters and
+    grid point), announced in one line."""
+
+    def __init__(self, grace: int) -> None:
+        from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+        self.retry, self.grace = RetryHeartbeatStaleTrialCallback(max_retry=None), grace
+
+    def __call__(self, study, trial) -> None:
+        self.retry(study, trial)
+        retry = next(t.number for t in reversed(study.get_trials(deepcopy=False))
+                     if self.retry.retry_history(t)[-1:] == [trial.number])
+        params = ", ".join(f"{k}={v}" for k, v in trial.params.items())
+        print(f"trial {trial.number} ({params}) is retried as trial {retry}: its worker "
+              f"({trial.user_attrs.get('worker', 'unknown')}) sent no heartbeat for {self.grace} s", flush=True)
+
+
+def connect(url: str, heartbeat: int, grace: int):
     """The sweep's storage. A database's heartbeats let a worker on another machine notice a trial whose worker died,
     and retry it."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
     from sqlalchemy.exc import SQLAlchemyError
 
     for attempt in range(5):
         try:
-            return open_storage(url, heartbeat_interval=30, grace_period=120,
-                                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=None))
+            return open_storage(url, heartbeat_interval=heartbeat, grace_period=grace,
+                                heartbeat_stale_trial_callback=RetryStale(grace))
         except SQLAlchemyError:
             # Workers that start together on a fresh database race to create its tables (optuna issue 1092); the
             # loser's insert fails, and on a retry it finds the winner's schema in place.
@@ -84,32 +109,38 @@ def requeue(storage, name: str, *, sole_worker: bool) -> int:
 
 
 def remaining(study, sweep: Sweep, budget: int | None) -> int:
-    """Trials for this worker to run: a grid's points not finished yet (or its queued retries, if more), else the
-    budget less the finished trials of every worker."""
+    """Trials for this worker to start: a grid's points that no trial has taken yet, plus the queued retries; else
+    the budget less the finished trials of every worker."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
-    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    waiting = sum(t.state == TrialState.WAITING for t in trials)
     if sweep.method == "grid":
         size = 1
         for values in sweep.grid.values():
             size *= len(values)
-        covered = {tuple(t.params.get(k) for k in sweep.grid) for t in done}
-        return max(size - len(covered), waiting)
+        retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
+        started = [t for t in trials if t.state != TrialState.WAITING and t.number not in retried]
+        # A trial just asked has not all its parameters yet (one killed then keeps them so): it stands for the point
+        # its sampler picked. A retried one stands for none: its retry holds its point.
+        taken = {tuple(t.params[k] for k in sweep.grid) if t.params.keys() >= sweep.grid.keys() else t.number
+                 for t in started}
+        return max(0, size - len(taken)) + sum(t.state == TrialState.WAITING for t in trials)
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     return max(0, (budget or 0) - len(done))
 
 
 # ---- results ----------------------------------------------------------------------------------------------------
 
 def write_best(study, sweep: Sweep, out: Path) -> Path | None:
-    """`<out>/best.yaml`: the best trial's resolved config, writing into `<out>/best` instead of its own folder."""
+    """`<out>/best.yaml`: the best trial's resolved config (kept in the study: the trial may have run on another
+    machine), writing into `<out>/best` instead of the trial's folder."""
     try:
         best = study.best_trial
     except ValueError:
         return None
     trial_dir = Path(best.user_attrs["run_dir"])
-    config = yaml.safe_load((trial_dir / "config.yaml").read_text())
+    config = yaml.safe_load(best.user_attrs["config"])
 
     def move(node):
         if isinstance(node, dict):
@@ -158,13 +189,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imgcls sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="sweep file in the W&B sweep schema")
     parser.add_argument("--out", help="sweep folder (default runs/sweeps/<name>)")
-    parser.add_argument("--storage", default=os.environ.get("IMGCLS_SWEEP_STORAGE"),
+    parser.add_argument("--storage", default=os.environ.get(STORAGE_ENV_VAR),
                         help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/sweep.db), or "
                              "journal:///<path> for a journal file (many workers on one machine); also read from "
-                             "$IMGCLS_SWEEP_STORAGE, which keeps a password off the command line")
+                             f"${STORAGE_ENV_VAR}, which keeps a password off the command line")
     parser.add_argument("--workers", type=int, default=1, help="trials run at once on this machine")
     parser.add_argument("--trials", type=int, help="trials of a random/bayes sweep (default: run_cap)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    parser.add_argument("--heartbeat", type=int, default=HEARTBEAT, metavar="SECONDS",
+                        help="a database storage's heartbeat: how often a worker says that its trials still run "
+                             "(default %(default)s)")
+    parser.add_argument("--grace", type=int, default=GRACE, metavar="SECONDS",
+                        help="a trial whose worker has sent no heartbeat for this long is failed and retried "
+                             "(default %(default)s); give every worker of a sweep the same --heartbeat and --grace")
     return parser
 
 
@@ -181,6 +218,9 @@ def _load(args: argparse.Namespace) -> tuple[Sweep, int | None]:
         raise SystemExit(f"error: {err}") from None
     if args.workers < 1:
         raise SystemExit("error: --workers must be at least 1")
+    if not 0 < args.heartbeat < args.grace:
+        raise SystemExit(f"error: --heartbeat ({args.heartbeat}) must be positive and below --grace ({args.grace}), "
+                         "or every trial would look dead between two heartbeats")
     return sweep, budget
 
 
@@ -211,7 +251,7 @@ def _retry_failed(held: contextlib.ExitStack, url: str, storage, name: str) -> i
 
 
 def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers: int, seed: int | None,
-              held: contextlib.ExitStack) -> None:
+              heartbeat: int, grace: int, held: contextlib.ExitStack) -> None:
     """Retry what failed, run the trials left, print the table and write best.yaml."""
     import optuna
     from optuna.study import MaxTrialsCallback
@@ -219,22 +259,39 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    storage = connect(url)
+    storage = connect(url, heartbeat, grace)
     study = open_study(sweep, storage, seed)
     retried = _retry_failed(held, url, storage, sweep.name)
     todo = remaining(study, sweep, budget)
-    shown = url if storage_file(url) else url.split("://")[0] + "://..."  # never print a password
     print(f"sweep {sweep.name}: {todo} trial(s) to run ({retried} retried), {workers} at once; "
-          f"storage {shown}; trials in {out}", flush=True)
-    # The budget counts every worker's finished trials, read from the study after each trial; a grid's sampler stops
-    # by itself once each point has run.
-    cap = [] if sweep.method == "grid" else [MaxTrialsCallback(budget, states=(TrialState.COMPLETE, TrialState.PRUNED))]
-    while todo > 0:
-        study.optimize(lambda trial: run_trial(trial, sweep, out, url), n_trials=todo, n_jobs=workers,
-                       catch=(TrialFailed,), callbacks=cap)
-        before, todo = todo, remaining(study, sweep, budget)
-        if todo >= before or sweep.method != "grid":
-            break  # failures are retried by the next invocation, not in a loop here
+          f"storage {redact_secrets(url)}; trials in {out}", flush=True)
+
+    def all_taken(study, trial) -> None:
+        if remaining(study, sweep, budget) == 0:
+            study.stop()  # another ask would make the grid's sampler repeat a point that another worker runs
+
+    # The budget counts every worker's finished trials, read from the study after each trial.
+    stop = [all_taken] if sweep.method == "grid" else [MaxTrialsCallback(budget, states=(TrialState.COMPLETE,
+                                                                                          TrialState.PRUNED))]
+    waiting = False
+    while True:
+        if todo > 0:
+            study.optimize(lambda trial: run_trial(trial, sweep, out, url), n_trials=todo, n_jobs=workers,
+                           catch=(TrialFailed,), callbacks=stop)
+            before, todo, waiting = todo, remaining(study, sweep, budget), False
+            if todo >= before or sweep.method != "grid":
+                break  # failures are retried by the next invocation, not in a loop here
+        elif sweep.method == "grid" and isinstance(storage, optuna.storages.RDBStorage) and (
+                running := study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+            if not waiting:  # a database's heartbeats tell a dead worker's trial from a running one
+                print(f"sweep {sweep.name}: every point is taken; waiting for {len(running)} trial(s) of other "
+                      f"workers, to retry any whose worker sends no heartbeat for {grace} s", flush=True)
+                waiting = True
+            time.sleep(heartbeat)
+            optuna.storages.fail_stale_trials(study)
+            todo = remaining(study, sweep, budget)
+        else:
+            break
     print_table(study, sweep)
     best = write_best(study, sweep, out)
     print(f"best config: {best}  (rerun: imgcls fit --config {best})" if best else "no trial finished")
@@ -250,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         if not _try_lock(held.enter_context(open(out / ".sweep.lock", "w")), fcntl.LOCK_EX):
             raise SystemExit(f"error: another `imgcls sweep` runs in {out}; use --workers N to run trials in "
                              "parallel, or a shared --storage URL for workers on other machines")
-        run_sweep(sweep, out, url, budget=budget, workers=args.workers, seed=args.seed, held=held)
+        run_sweep(sweep, out, url, budget=budget, workers=args.workers, seed=args.seed,
+                  heartbeat=args.heartbeat, grace=args.grace, held=held)
 
 
 if __name__ == "__main__":

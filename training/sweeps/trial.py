@@ -13,12 +13,14 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from training.sweeps.space import Sweep, make_pruner, suggest, trial_args
 
+STORAGE_ENV_VAR = "IMGCLS_SWEEP_STORAGE"  # the storage URL for `imgcls sweep` and its dashboard, password kept off argv
 TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial number, metric, pruner
 TRIAL_COMMAND = [sys.executable, "-m", "training.sweeps.trial"]  # the trial process, before `fit <arguments>`
 # optuna-integration's private protocol for a trainer in another process: where it leaves each epoch's metric and its
@@ -64,6 +66,7 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
     run_dir = out / f"trial_{trial.number:04d}"
     trial.set_user_attr("run_dir", str(run_dir))
     trial.set_user_attr("final_metrics", {})  # a retry copies its predecessor's attributes: start clean
+    trial.set_user_attr("worker", f"{socket.gethostname()} pid {os.getpid()}")  # named if it dies mid-trial
     args = [*sweep.fixed_args, *trial_args(params), f"--trainer.default_root_dir={run_dir}"]
     env = dict(os.environ)
     # The storage URL may hold a password: it goes through the environment, never into a command line or config.
@@ -79,6 +82,8 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     if code != 0:
         raise TrialFailed(f"trial {trial.number} exited with {code}; see {run_dir / 'fit.log'}")
+    # In the study, so that any worker writes best.yaml, also one whose machine cannot see this run folder.
+    trial.set_user_attr("config", (run_dir / "config.yaml").read_text())
     return _outcome(trial, sweep)
 
 
