@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
 from benchmarks import startup as startup_bench
@@ -103,8 +102,6 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path):
     assert recipe[0] == ["variant", "val/acc (median)", "vs baseline, points", "per seed", "s / epoch (median)"]
     assert [r[0] for r in recipe[1:]] == ["all of the above"] and 0 <= float(recipe[1][1].rstrip(" %")) <= 100
 
-    gpu = text.split("## GPU throughput", 1)[1]
-    assert ("Not measured: no CUDA device" in gpu) == (not torch.cuda.is_available())
     distributed = tables["Distributed: gradient compression (CPU, gloo)"]
     assert [r[0] for r in distributed[1:5]] == ["none", "fp16", "bf16", "powersgd"]
     ratios = {r[0]: _num(r[4]) for r in distributed[1:5]}  # bytes all-reduced vs none, counted on ResNet50
