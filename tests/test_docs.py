@@ -343,12 +343,18 @@ def test_configs_and_notebooks_type_no_measured_figure(name):
     assert not figures.unmarked(TEXTS[name]), f"{name}: {figures.unmarked(TEXTS[name])}"
 
 
-def test_the_readme_is_one_path_of_at_most_250_lines_with_commands_written_one_way():
+def test_the_readme_is_one_path_of_at_most_250_lines():
     readme = TEXTS["README.md"]
     assert len(readme.splitlines()) <= README_MAX_LINES
     headings = re.findall(r"^## (\d)\. ", readme, re.M)
     assert headings == [str(i) for i in range(1, 9)], headings
-    assert re.findall(r"\.venv/bin/\w+", readme) == [".venv/bin/activate"], "activate .venv once, then `imgcls`"
+
+
+def test_commands_are_written_one_way_for_an_activated_venv():
+    """README.md says `source .venv/bin/activate` once; every page then writes `imgcls ...`, `pytest ...`."""
+    written = {name: re.findall(r"\.venv/bin/\w+", text) for name, text in TEXTS.items() if name.endswith(".md")}
+    assert written.pop("README.md") == [".venv/bin/activate"]
+    assert not any(written.values()), {name: found for name, found in written.items() if found}
 
 
 # Each checker, shown a planted mistake beside its correct twin: the checks above can fail.
