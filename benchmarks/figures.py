@@ -18,7 +18,8 @@ The key is SECTION.NAME: SECTION one of SECTIONS, NAME one of the figures that b
 `figures(results)` returns, or `cpu` (the machine it ran on), `picks` (what `auto` picks there), `date` or `took`,
 which every section has. A key quotes the section's primary record: its newest full measured one.
 tests/test_figures.py fails when a document differs from what this renders, when a marker names a key no result
-provides, when a measured figure stands outside a marker, and when a render would drop a machine's records.
+provides, when a measured figure (in digits or in words) stands outside a marker, when a figure's machine is not
+named under the same heading, and when a render would drop a machine's records.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ CODE = re.compile(r"`[^`\n]*`")  # inline code: a marker written there is shown,
 TOKEN = re.compile(f"({CODE.pattern})|{MARKER.pattern}", re.S)
 # Measured figures, by their units: a ratio (2.06x), a rate, a time in ms or minutes, a size, a decimal percentage.
 MEASURED = re.compile(r"(?<![\w.])~?\d[\d,]*(\.\d+)?(x\b| ?(img/s|steps/s|ms\b|min\b|MiB|GiB|MB\b|GB\b))|\d\.\d+ ?%")
+# The same figures in words: a ratio ("twelve times the plain server's", "12 times one at 64 px") or a fraction ("a
+# quarter of the requests/s", "tenfold").
+NUMBER = r"\d+(\.\d+)?|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|twenty|thirty|forty|fifty|hundred"
+IN_WORDS = re.compile(rf"\b({NUMBER}) times (the|as|more|less|fewer|faster|slower|larger|smaller|one)\b"
+                      rf"|\b(a|one|two|three|four) (quarters?|thirds?|fifths?|tenths?)\b|\b({NUMBER})-?fold\b", re.I)
+MACHINE = ("cpu", "machine")  # the names of a section's figures that say which machine the others come from
 
 INTRO = """# Performance
 
@@ -245,10 +252,23 @@ def quote(text: str, known: dict[str, str], where: str) -> str:
 
 
 def unmarked(text: str) -> list[str]:
-    """Measured-looking figures outside any marker and outside code blocks: each should be quoted from a result."""
+    """Measured-looking figures, in digits or in words, outside any marker and outside code blocks: each should be
+    quoted from a result."""
     prose = re.sub(r"^```.*?^```", "", MARKER.sub("", text), flags=re.S | re.M)
     prose = re.sub(r"`[^`\n]*`", "", prose)  # inline code: options and commands, not figures
-    return [line.strip() for line in prose.splitlines() if MEASURED.search(line)]
+    return [line.strip() for line in prose.splitlines() if MEASURED.search(line) or IN_WORDS.search(line)]
+
+
+def unnamed_machines(text: str) -> list[str]:
+    """The marked figures whose machine the reader is not told: each SECTION[@KIND].NAME needs, in the same `##`
+    section, a SECTION[@KIND].cpu or .machine marker, its own record's machine."""
+    missing = []
+    prose = CODE.sub("", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+    for part in re.split(r"^##? .*$", prose, flags=re.M):
+        keys = [m.group(1) for m in MARKER.finditer(part)]
+        named = {key.rpartition(".")[0] for key in keys if key.rpartition(".")[2] in MACHINE}
+        missing += [key for key in keys if key.rpartition(".")[0] not in named]
+    return missing
 
 
 def documents() -> list[Path]:
@@ -293,4 +313,8 @@ if __name__ == "__main__":
     for path, lines in unquoted.items():
         for line in lines:
             print(f"{path}: a measured figure outside a marker: {line}")
-    raise SystemExit(1 if args.check and (stale or any(unquoted.values())) else 0)
+    anonymous = {str(p.relative_to(ROOT)): unnamed_machines(p.read_text()) for p in documents()}
+    for path, keys in anonymous.items():
+        for key in keys:
+            print(f"{path}: {key} is quoted under a heading that names no machine of its record")
+    raise SystemExit(1 if args.check and (stale or any(unquoted.values()) or any(anonymous.values())) else 0)

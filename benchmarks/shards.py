@@ -29,8 +29,8 @@ from datamodules.bad_images import ScanCache
 from datamodules.shards import ShardsDataModule, prepare_data
 
 TITLE = "Streaming shards"
-FOLDER = "image folder (data.format folder)"
-SHARDS = "LitData shards (data.format litdata)"
+FOLDER = "image folder (ImageFolderDataModule)"
+SHARDS = "LitData shards (ShardsDataModule)"
 FOLDER_READ = "image folder, read only (augment_on_device)"
 SHARDS_READ = "LitData shards, read only (augment_on_device)"
 

@@ -47,6 +47,7 @@ def test_quoted_figures_equal_their_results(path, all_runs):
     assert text == expected, (f"{path.name} quotes stale figures (python -m benchmarks.figures):\n"
                               + _diff(text, expected, path.name))
     assert not figures.unmarked(text), f"{path.name}: measured figures outside a marker: {figures.unmarked(text)}"
+    assert not figures.unnamed_machines(text), f"{path.name}: no machine named for {figures.unnamed_machines(text)}"
 
 
 def test_header_agrees_with_the_sections(all_runs):
@@ -120,6 +121,25 @@ def test_unmarked_finds_typed_figures_but_not_code_or_marked_ones():
         assert figures.unmarked(typed), typed
     assert not figures.unmarked("```\nbf16 ~10x slower\n```\n`--x 2x` and <!-- figure: a.b -->2.06x<!-- /figure -->")
     assert not figures.unmarked("a (64 + 147) x 4 matrix, 10% of train/, every 30 s, 224 px")
+
+
+def test_unmarked_finds_figures_typed_in_words():
+    for typed in ("its CPU time was about twelve times the plain server's", "costs 12 times one at 64 px",
+                  "about a quarter of the requests/s", "three quarters of its CPU", "a tenfold gain"):
+        assert figures.unmarked(typed), typed
+    for count in ("runs the fit 5 times in a row", "two times out of three", "a manifold", "half the bytes"):
+        assert not figures.unmarked(count), count
+
+
+def test_a_figure_needs_its_machine_named_under_the_same_heading():
+    cpu = "<!-- figure: serve.cpu -->AMD EPYC<!-- /figure -->"
+    kind_cpu = "<!-- figure: serve@avx2-cpu.cpu -->AMD EPYC<!-- /figure -->"
+    fig = "<!-- figure: serve.batching_x -->1.19x<!-- /figure -->"
+    assert figures.unnamed_machines(f"## A\nbatching gave {fig}") == ["serve.batching_x"]
+    assert figures.unnamed_machines(f"## A\nOn {cpu}:\n\n### detail\nbatching gave {fig}") == []
+    assert figures.unnamed_machines(f"## A\nOn {cpu}\n## B\nbatching gave {fig}") == ["serve.batching_x"]
+    assert figures.unnamed_machines(f"## A\nOn {kind_cpu}, {fig}") == ["serve.batching_x"]  # another record's machine
+    assert figures.unnamed_machines(f"`{fig}` shown as code") == []
 
 
 def test_the_figures_imgcls_announces_are_the_stored_ones(all_runs):
