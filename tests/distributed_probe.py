@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback
 
 
@@ -123,3 +126,29 @@ class Probe(Callback):
             self.record["powersgd"] = strategy.comm_hook.state_dict(state)
         torch.save(self.record, self.out / f"rank{trainer.global_rank}.pt")
 
+
+
+# Native threads of torch.distributed, by the names they give themselves: gloo's workers and transport loop, the store.
+DISTRIBUTED_THREADS = ("gloo", "tcpstore")
+
+
+class GroupsAtExit(Callback):
+    """Writes `<out_dir>/exit_rank<R>.json` as the process exits, in the first atexit handler to run (registered after
+    every import's): whether torch.distributed is still initialised, and which of its native threads still live."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out = Path(out_dir)
+        self.registered = False
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.registered:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atexit.register(_record_exit, self.out / f"exit_rank{trainer.global_rank}.json")
+            self.registered = True
+
+
+def _record_exit(path: Path) -> None:
+    tasks = Path("/proc/self/task")
+    names = [(tasks / task / "comm").read_text().strip() for task in os.listdir(tasks)]
+    threads = sorted(n for n in names if any(part in n.lower() for part in DISTRIBUTED_THREADS))
+    path.write_text(json.dumps({"initialized": dist.is_initialized(), "distributed_threads": threads}))
