@@ -11,12 +11,13 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import CONFIGS, cli_env, free_port, make_image_folder, max_diff, run_cli
+from tests.helpers import CONFIGS, TINY_ARCH, cli_env, free_port, make_image_folder, max_diff, run_cli
 
 
 def _config(tmp_path: Path, data: Path) -> Path:
-    """resnet18 at 32 px on 2 processes, 2 micro-batches per step, 4 batches: a validation after the third (inside
-    the second step's window) writes a checkpoint, and every step writes one."""
+    """TINY_ARCH at 64 px (at 32 px its last stage is 1 x 1 pixel, where a bias before BatchNorm gets no gradient) on 2
+    processes, 2 micro-batches per step, 4 batches: a validation after the third (inside the second step's window)
+    writes a checkpoint, and every step writes one."""
     cfg = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
     validation = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                   "init_args": {"monitor": "val/loss", "mode": "min", "save_top_k": -1}}
@@ -27,10 +28,10 @@ def _config(tmp_path: Path, data: Path) -> Path:
                           strategy="ddp", max_epochs=1, limit_train_batches=4, accumulate_grad_batches=2,
                           val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0,
                           enable_progress_bar=False, enable_model_summary=False)
-    cfg["model"]["net"]["init_args"].update(arch="resnet18", head_hidden=32)
+    cfg["model"]["net"]["init_args"].update(arch=TINY_ARCH, head_hidden=32)
     cfg["model"]["levers"]["channels_last"] = False
     cfg["model"]["optimizer"] = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.9}}
-    cfg["data"].update(root=str(data), batch_size=2, num_workers=0, image_size=32)
+    cfg["data"].update(root=str(data), batch_size=2, num_workers=0, image_size=64)
     cfg["auto_resume"] = False
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -51,7 +52,7 @@ def test_a_ddp_checkpoint_inside_an_accumulation_window_resumes_it_exactly(tmp_p
     """Each rank's accumulated gradients are its own until the step's all-reduce averages them; the checkpoint holds
     their average, restored on every rank, so the resumed step averages to the same gradient. Before, the window
     restarted with no gradients and the step summed one micro-batch of two."""
-    data = make_image_folder(tmp_path / "images", {"a": 8, "b": 8}, size=32)
+    data = make_image_folder(tmp_path / "images", {"a": 8, "b": 8}, size=64)
     config = _config(tmp_path, data)
     _fit(config, tmp_path / "reference")
     checkpoints = tmp_path / "reference" / "checkpoints"
@@ -64,6 +65,6 @@ def test_a_ddp_checkpoint_inside_an_accumulation_window_resumes_it_exactly(tmp_p
     _fit(config, run, "--ckpt_path", str(inside[0]))
     reference, resumed = _load(checkpoints / "step=2.ckpt"), _load(run / "checkpoints" / "step=2.ckpt")
     # The weights after the resumed step. Not bitwise: mean(before) + mean(after) rounds differently from
-    # mean(before + after), and the later steps of this tiny net (BatchNorm over 2 images of 1 x 1 pixel in layer4)
-    # amplify a rounding difference, so the step itself is compared.
+    # mean(before + after), and the later steps of this tiny net (BatchNorm over 2 images of 2 x 2 pixels in its last
+    # stage) amplify a rounding difference, so the step itself is compared.
     assert max_diff(reference["state_dict"], resumed["state_dict"]) <= 1e-6

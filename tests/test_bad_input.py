@@ -18,7 +18,7 @@ import datamodules.bad_images as bad_images
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import find_bad_images, image_problem
 from lightning_modules import BackboneWithHead, ImageClassifier
-from tests.helpers import CONFIGS, TINY, make_image_folder, run_cli
+from tests.helpers import CONFIGS, TINY, TINY_ARCH, make_image_folder, run_cli
 from training.cli.app import main
 
 
@@ -109,7 +109,7 @@ def test_skip_logs_the_bad_files_and_trains_on_the_rest(tmp_path, caplog):
     root, bad = _bad_dataset(tmp_path)
     dm = ImageFolderDataModule(root=str(root), batch_size=4, num_workers=0, image_size=32, bad_images="skip",
                                persistent_workers=False)
-    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=8),
                             class_names=dm.class_names, batch_size=4)
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

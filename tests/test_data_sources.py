@@ -124,7 +124,7 @@ def test_hugging_face_without_the_extra_is_one_line_naming_it(monkeypatch, tmp_p
 
 
 def _config(tmp_path: Path, class_path: str, init_args: dict) -> Path:
-    """The quickstart config, shrunk (resnet18 at 32 px, 2 epochs of 4 steps, a step checkpoint every 2 steps), on
+    """The quickstart config, shrunk (TINY_ARCH at 32 px, 2 epochs of 4 steps, a step checkpoint every 2 steps), on
     the data source `class_path`, with random crops and flips (preset imagenet) that a resume must draw again."""
     cfg = resume_config()
     cfg["data"] = {"class_path": class_path, "init_args": {"batch_size": 8, "num_workers": 0, "image_size": 32,

@@ -15,7 +15,7 @@ from benchmarks.distributed import _train_step, count_allreduce_bytes, expected_
 from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier
 from tests.distributed_probe import Probe
-from tests.helpers import CONFIGS, free_port, make_image_folder, run_cli
+from tests.helpers import CONFIGS, TINY_ARCH, free_port, make_image_folder, run_cli
 from training.distributed.strategy import POWERSGD_KEY, CompressedDDPStrategy, ResumablePowerSGDHook
 
 
@@ -35,10 +35,10 @@ def master_port(monkeypatch):
 
 
 def _fit(images, tmp_path, strategy, max_steps: int, ckpt_path=None, name="run") -> Probe:
-    """Fit a tiny resnet18 with `strategy` in this process; the Probe holds what happened."""
+    """Fit a tiny TINY_ARCH with `strategy` in this process; the Probe holds what happened."""
     L.seed_everything(0)
     data = ImageFolderDataModule(str(images), batch_size=4, num_workers=0, image_size=32, preset="none")
-    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0, dropout=0.0),
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=0, dropout=0.0),
                             optimizer=partial(torch.optim.SGD, lr=0.4, momentum=0.9, nesterov=True, weight_decay=1e-4))
     probe = Probe(str(tmp_path / name / "probe"))
     trainer = L.Trainer(

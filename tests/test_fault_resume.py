@@ -17,6 +17,7 @@ import yaml
 
 from tests.helpers import (
     ROOT,
+    TINY_ARCH,
     cli_env,
     free_port,
     kill_args,
@@ -48,7 +49,7 @@ LINE_MARGIN_S, EXIT_MARGIN_S = 3, 15  # seconds past the timeout for a hung peer
 
 def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: bool = False,
             recipe: bool = False) -> Path:
-    """The shipped quickstart config, shrunk: resnet18 at 32 px, 2 epochs of 4 steps, checkpoints every 2 steps.
+    """The shipped quickstart config, shrunk: TINY_ARCH at 32 px, 2 epochs of 4 steps, checkpoints every 2 steps.
 
     `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's
     synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `recipe`
@@ -309,7 +310,7 @@ def test_each_micro_batch_of_an_accumulated_step_draws_its_own_random_numbers(tm
 
     def seeds() -> list[int]:
         L.seed_everything(3)
-        model = Model(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8))
+        model = Model(num_classes=2, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=8))
         model.seeds = []
         trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=0,
                             accumulate_grad_batches=2, callbacks=[ExactResume()], logger=False,

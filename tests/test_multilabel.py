@@ -15,7 +15,7 @@ from datamodules.image_folder import ImageFolderDataModule
 from datamodules.images import read_labels_csv
 from lightning_modules import BackboneWithHead, Recipe
 from lightning_modules.classifier import ImageClassifier
-from tests.helpers import CONFIGS, TINY, make_image_folder
+from tests.helpers import CONFIGS, TINY, TINY_ARCH, make_image_folder
 from training.records.figures import per_class_scores, scores_from_counts
 
 
@@ -74,7 +74,7 @@ def test_multi_label_data_refuses_what_needs_one_label_per_image(small):
     with pytest.raises(ValueError, match="data.sampler=balanced .* is multi-label"):
         ImageFolderDataModule(root=str(small), sampler="balanced")
     with pytest.raises(ValueError, match="mix single-label targets; this data is multi-label"):
-        ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0), multilabel=True,
+        ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=0), multilabel=True,
                         recipe=Recipe(mixup_alpha=0.2))
 
 
@@ -93,7 +93,7 @@ def test_without_val_a_seeded_share_of_train_is_held_out(small):
 def test_the_loss_and_metrics_are_per_label():
     torch.manual_seed(0)
     # The default cross-entropy scores one class per image: on multi-label data a binary cross-entropy per class.
-    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=0),
                             multilabel=True, threshold=0.5)
     logits = torch.randn(4, 3)
     y = torch.tensor([[1, 0, 1], [0, 0, 0], [0, 1, 0], [1, 1, 1]], dtype=torch.float32)

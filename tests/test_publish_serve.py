@@ -27,14 +27,14 @@ from safetensors.torch import load_file
 from deploy.serve import SPIN_SETTINGS, choose_workers
 from lightning_modules import BackboneWithHead, ImageClassifier
 from lightning_modules.pretrained import network_factory
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, TINY_ARCH, cli_env, free_port, run_cli
 
 SETTINGS = ["--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, digits_root) -> Path:
-    """A run of resnet18 on the 32 px digits, long enough to tell the digits apart."""
+    """A run of TINY_ARCH on the 32 px digits, long enough to tell the digits apart."""
     run = tmp_path_factory.mktemp("publish_run")
     run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, *SETTINGS, "--data.root", str(digits_root),
             "--data.batch_size", "32", "--trainer.limit_train_batches", "30", "--trainer.limit_val_batches", "3",
@@ -44,7 +44,7 @@ def trained(tmp_path_factory, digits_root) -> Path:
 
 @pytest.fixture(scope="module")
 def folder(trained, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("published") / "digits-resnet18"
+    out = tmp_path_factory.mktemp("published") / f"digits-{TINY_ARCH}"
     proc = run_cli("publish", "--ckpt_path", str(trained / "checkpoints" / "last.ckpt"), str(out))
     assert f"hf upload USER/NAME {out}" in proc.stdout
     return out
@@ -77,7 +77,7 @@ def test_folder_holds_the_validated_weights_and_a_card_the_hub_reads(folder, tra
     assert all(torch.equal(weights[k], ckpt["state_dict"][f"net.{k}"]) for k in weights)
     config = json.loads((folder / "config.json").read_text())
     assert network_factory(config["network"]).func is BackboneWithHead  # rebuilt from config.json alone
-    assert config["network"]["init_args"] | {"arch": "resnet18", "head_hidden": 32} == config["network"]["init_args"]
+    assert config["network"]["init_args"] | {"arch": TINY_ARCH, "head_hidden": 32} == config["network"]["init_args"]
     assert config["class_names"] == [str(i) for i in range(10)] and config["num_classes"] == 10
     assert (config["multilabel"], config["threshold"], config["weights"]["averaged"]) == (False, None, False)
     assert config["preprocessing"] == ckpt["hyper_parameters"]["input_contract"]
@@ -85,7 +85,7 @@ def test_folder_holds_the_validated_weights_and_a_card_the_hub_reads(folder, tra
 
     card = ModelCard.load(folder / "README.md")
     assert card.data.library_name == "imgcls" and card.data.pipeline_tag == "image-classification"
-    assert card.data.datasets == ["digits"] and "resnet18" in card.data.tags
+    assert card.data.datasets == ["digits"] and TINY_ARCH in card.data.tags
     results = {r.metric_name: r.metric_value for r in card.data.eval_results}
     assert set(results) == {"top-1 accuracy", "top-5 accuracy", "macro F1"}
     score = ckpt["callbacks"][next(k for k in ckpt["callbacks"] if k.startswith("ModelCheckpoint"))]
@@ -118,7 +118,7 @@ def test_folder_predicts_as_the_checkpoint_and_fine_tunes(folder, trained, image
     assert f"model.net.weights={folder}: loaded the network" in fit.stdout + fit.stderr
     tuned = torch.load(tmp_path / "fine_tune" / "checkpoints" / "last.ckpt", weights_only=True)
     # the folder's network, over the config's
-    assert tuned["hyper_parameters"]["net"]["init_args"]["arch"] == "resnet18"
+    assert tuned["hyper_parameters"]["net"]["init_args"]["arch"] == TINY_ARCH
 
 
 def test_publish_refuses_in_one_line_and_keeps_what_is_there(folder, trained, tmp_path):
@@ -262,7 +262,7 @@ ANIMALS = ["bird", "cat", "dog", "fish", "horse"]
 
 @pytest.fixture(scope="module")
 def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tensor]]:
-    """A random-weight multi-label resnet18 at 32 px as a model folder (imgcls publish's layout), PNG and JPEG images
+    """A random-weight multi-label TINY_ARCH at 32 px as a model folder (imgcls publish's layout), PNG and JPEG images
     of other sizes, and the sigmoid of the model's logits for each image, from the pixels `imgcls predict` reads
     (`read_image`) through the preprocessing of the model's input contract (`eval_pipeline`). The folder's threshold
     lies in the widest gap between those scores near their median: each side holds labels, none is within rounding."""
@@ -277,7 +277,7 @@ def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tens
     root = tmp_path_factory.mktemp("multilabel_serve")
     torch.manual_seed(0)
     net = {"class_path": "lightning_modules.network.BackboneWithHead",
-           "init_args": {"arch": "resnet18", "head_hidden": 16}}
+           "init_args": {"arch": TINY_ARCH, "head_hidden": 16}}
     contract = contract_of(ClassificationPresetEval(image_size=32))
     model = ImageClassifier(num_classes=len(ANIMALS), class_names=ANIMALS, multilabel=True, net=network_factory(net),
                             levers={"channels_last": False}, input_contract=contract).eval()

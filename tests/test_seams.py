@@ -23,6 +23,7 @@ from lightning_modules.schedules import WarmupCosine
 from tests.helpers import (
     CONFIGS,
     TINY,
+    TINY_ARCH,
     kill_args,
     killed_and_resumed,
     make_image_folder,
@@ -56,7 +57,7 @@ def test_a_loss_meets_the_contract(loss):
 
 def test_the_model_trains_and_evaluates_with_the_loss_it_is_given():
     """train/loss and val/loss are the injected loss, not a cross-entropy of the model's own."""
-    model = ImageClassifier(num_classes=4, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+    model = ImageClassifier(num_classes=4, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=0),
                             loss=FocalLoss(gamma=2.0))
     logits, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 0])
     torch.testing.assert_close(model.loss(logits, y), FocalLoss(2.0)(logits, y))
@@ -137,7 +138,7 @@ def test_the_world_size_rescale_doubles_every_learning_rate_of_any_optimizer_and
 
 
 def test_a_python_optimizer_and_scheduler_are_left_out_of_the_hyperparameters():
-    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=0),
                             optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01),
                             lr_scheduler=partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1))
     assert "optimizer" not in model.hparams and "lr_scheduler" not in model.hparams  # weights_only could not load them
@@ -145,7 +146,7 @@ def test_a_python_optimizer_and_scheduler_are_left_out_of_the_hyperparameters():
 
 
 def test_a_users_scheduler_gets_the_runs_length_from_the_model():
-    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=0),
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=0),
                             batch_size=256, lr_scheduler=LinearDecay, optimizer=partial(torch.optim.SGD, lr=0.4))
     model.trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False)
     with mock.patch.object(type(model.trainer), "estimated_stepping_batches", 8):
@@ -168,7 +169,7 @@ def test_rmsprop_with_one_cycle_by_class_path_alone_fits_and_resumes_after_kill9
     cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu",
                           enable_progress_bar=False, enable_model_summary=False)
     cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    cfg["model"]["net"]["init_args"].update(arch="resnet18", head_hidden=32)
+    cfg["model"]["net"]["init_args"].update(arch=TINY_ARCH, head_hidden=32)
     cfg["model"]["levers"]["channels_last"] = False
     cfg["model"].update(**ONE_CYCLE)
     cfg["data"].update(root=str(data), batch_size=4, num_workers=0, image_size=32)
@@ -210,7 +211,7 @@ class _NoHead(nn.Module):
         return self.body(x)
 
 
-@pytest.mark.parametrize("net", [partial(BackboneWithHead, arch="resnet18", head_hidden=8), SmallGeMNet, _NoHead],
+@pytest.mark.parametrize("net", [partial(BackboneWithHead, arch=TINY_ARCH, head_hidden=8), SmallGeMNet, _NoHead],
                          ids=["BackboneWithHead", "SmallGeMNet", "no declaration"])
 def test_a_network_meets_the_contract(net):
     """lightning_modules/network.py: built with num_classes, (B, 3, H, W) -> (B, num_classes) logits; its declared

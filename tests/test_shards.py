@@ -174,7 +174,7 @@ class SeenImages(Callback):
 
 
 def _config(tmp_path: Path, shards: Path, *, devices: int, preset: str, every_n_train_steps: int) -> Path:
-    """The quickstart config shrunk (resnet18 at 32 px, 2 epochs, 2 loader workers) on the shards."""
+    """The quickstart config shrunk (TINY_ARCH at 32 px, 2 epochs, 2 loader workers) on the shards."""
     cfg = resume_config(devices, every_n_train_steps)
     cfg["trainer"]["num_sanity_val_steps"] = 0
     cfg["data"].update(root=str(shards), batch_size=8 // devices, num_workers=2, image_size=32, preset=preset)

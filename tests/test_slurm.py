@@ -49,7 +49,7 @@ HOLD_STEP = 1  # the step after which the ranks wait for scancel's SIGUSR1
 STEPS = 8  # 32 training images / (2 ranks x batch 4) = 4 steps per epoch, 2 epochs
 # The users' command line on a CPU node: the GPU request dropped, one CPU per task.
 SBATCH = ["--nodes=1", f"--ntasks-per-node={TASKS}", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10"]
-# The production config (imagenet_ddp8.yaml) shrunk: resnet18 at 32 px on the CPU, random initial weights (no
+# The production config (imagenet_ddp8.yaml) shrunk: TINY_ARCH at 32 px on the CPU, random initial weights (no
 # download), fp32, two short epochs; the same for the SLURM job and the uninterrupted reference. Its random crops
 # and flips (preset imagenet) stay on: each draw is seeded by its position (SeededDraws), so a resume replays them.
 FIT = [*TINY, "--model.net.weights", "null", "--data.batch_size", "4", "--trainer.precision", "32-true",
