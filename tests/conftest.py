@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,15 +86,43 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, _cores()))
 
 
+# Seconds each test file took (setup, call and teardown of its tests), written by `pytest --store-durations`:
+# the order in which --dist loadfile hands files to the workers.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write each test file's seconds to {DURATIONS.name}, the order of the next runs")
+
+
 def pytest_collection_modifyitems(config, items):
-    # Files with the most slow tests first (ties: as collected): with --dist loadfile a worker runs a whole file, and
-    # a long one handed out last keeps one worker busy while the others have finished. (xdist's own order, the files
-    # with the most tests first, put the single-test multi-minute files at the end.)
-    slow = Counter(item.path for item in items if "slow" in item.keywords)
-    items.sort(key=lambda item: -slow[item.path])  # stable
+    # The longest files first, by their stored seconds (a file not yet stored counts as the longest): with --dist
+    # loadfile a worker runs a whole file, and a long one handed out last keeps one worker busy while the others
+    # have finished. (xdist's own order, the files with the most tests first, put the single-test multi-minute files
+    # at the end.)
+    stored = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    items.sort(key=lambda item: -stored.get(_file(item.nodeid), math.inf))  # stable: ties as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.partition("::")[0]
+
+
+_seconds: Counter = Counter()
+
+
+def pytest_runtest_logreport(report):
+    _seconds[_file(report.nodeid)] += report.duration  # on the controller too: xdist sends it every report
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--store-durations") and not hasattr(session.config, "workerinput"):
+        rounded = {name: round(seconds, 1) for name, seconds in sorted(_seconds.items())}
+        DURATIONS.write_text(json.dumps(rounded, indent=1) + "\n")

@@ -25,8 +25,9 @@ from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
 from tests.helpers import CONFIGS, FREEZE_FIRST_EPOCH, ROOT, TINY, cli_env, free_port, run_cli
 
-FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--trainer.limit_train_batches", "4",
-       "--trainer.limit_val_batches", "1"]
+# resnet18: the pretrained weights are a stand-in for its IMAGENET1K_V1 file in the hub cache
+FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--model.net.arch", "resnet18",
+       "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "1"]
 
 
 @pytest.fixture(scope="module")
