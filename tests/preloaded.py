@@ -9,29 +9,36 @@ worker) for each command. The forked process is what `python -m training.cli ARG
 - its own pid, in a new session (a timeout kills its DDP ranks with it), its own working directory, environment,
   stdout and stderr (files, read back by the test), and its exit status, a signal's as -N;
 - `sys.argv` and `__main__` as under `python -m training.cli`, so that Lightning's launcher starts the other DDP
-  ranks with the same command, as fresh interpreters;
+  ranks with the same command; the `sys.executable` of that command is LAUNCHER, which has the server fork each
+  rank as well (with the launcher's stdin, stdout, stderr and environment), stands in for it (its exit status,
+  the signals sent to it) and takes it along when it dies;
 - the imports done with the collector off and then frozen, as training/cli/startup.py does them;
 - the random generators reseeded from the OS, as a fresh interpreter's are (a fork would share the server's);
 - it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
 
 What differs: the imports ran once, in an environment the test's may not match where the libraries read it at
-import time. Only the thread count is read that way here (OpenMP's, OMP_NUM_THREADS), and a command whose
-environment asks for another one gets a fresh interpreter. So does every command when IMGCLS_TEST_FRESH_INTERPRETERS=1
+import time. Two things are read that way here: the thread count (OpenMP's, OMP_NUM_THREADS), and a command or rank
+whose environment asks for another one gets a fresh interpreter; and the rank of the process (Lightning's
+rank_zero_only), which a forked process sets from its own environment. So does every command when IMGCLS_TEST_FRESH_INTERPRETERS=1
 (the real start, for a suspicious difference), and tests/test_preloaded.py checks that both give the same run.
 
 Which of the two runs a command is decided by the test's own inputs alone (the switch, the command's thread count,
 a stand-in interpreter): never by timing. A server that died, or a second command while one runs (one per server),
 fails the test loudly instead of falling back to the other model.
 
-    python -m tests.preloaded     # the server: JSON requests on stdin, a JSON reply per line on stdout
+    python -m tests.preloaded     # the server: JSON requests on stdin, a JSON reply per line on stdout; the ranks'
+                                  # launchers on a Unix socket
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
 import os
 import select
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -40,10 +47,13 @@ from pathlib import Path
 
 # The thread count OpenMP took when the server imported torch; a command's environment must agree.
 THREADS = "1"
+# Where lightning.fabric.utilities.rank_zero looks for the process's rank on import, in its order.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 
 
 def serve() -> None:
-    """Import the CLI as `python -m training.cli` does, then answer requests until stdin closes."""
+    """Import the CLI as `python -m training.cli` does, then answer requests until stdin closes: the test's commands on
+    stdin, and on a socket the DDP ranks that Lightning's launcher starts from a command (RANKS)."""
     from training.cli.startup import begin, done
 
     begin()
@@ -51,32 +61,165 @@ def serve() -> None:
 
     done()
     # The protocol moves off fds 0 and 1, which each forked command points at its own files.
-    requests = os.fdopen(os.dup(0), "r")
-    replies = os.fdopen(os.dup(1), "w")
+    requests, replies = os.dup(0), os.fdopen(os.dup(1), "w")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
-    for line in requests:
-        request = json.loads(line)
-        if request["op"] == "run":
-            pid = os.fork()
-            if pid == 0:
-                requests.close()
-                replies.close()
-                _command(request)  # raises SystemExit: the child leaves this loop through the interpreter's exit
-            # A fork copies only the forking thread: a lock another thread held stays locked in the child. The
-            # imports start none; tests/test_preloaded.py checks it with this count.
-            reply = {"pid": pid, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc") else None}
-        else:  # "wait": the exit status of a command this server forked
-            _, status = os.waitpid(request["pid"], 0)
-            reply = {"returncode": os.waitstatus_to_exitcode(status)}
-        replies.write(json.dumps(reply) + "\n")
+    folder = Path(tempfile.mkdtemp(prefix="imgcls-preloaded-"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(folder / "ranks.sock"))
+    listener.listen()
+    launcher = _write_launcher(folder)
+    children: dict[int, socket.socket | None] = {}  # a forked process -> the launcher waiting for it (None: a command)
+    ended: dict[int, int] = {}  # a command's exit status, until the test asks for it
+    awaited: set[int] = set()
+    ranks = 0  # forked for the command that runs (one at a time): told with its exit status
+    buffered = b""
+    while True:
+        ready, _, _ = select.select([requests, listener], [], [], 0.05 if children else None)
+        for pid, code in _reap(children):  # (a SIGCHLD would interrupt the select: polling keeps it simple)
+            launched = children.pop(pid)
+            if launched is not None:
+                _send(launched, {"returncode": code})
+                launched.close()
+            else:
+                ended[pid] = code
+        if listener in ready:
+            launched, _ = listener.accept()
+            others = [c.fileno() for c in children.values() if c is not None]
+            pid = _fork_rank(launched, launcher, (requests, replies.fileno(), listener.fileno(), *others))
+            if pid is not None:
+                children[pid] = launched
+                ranks += 1
+        if requests in ready:
+            chunk = os.read(requests, 1 << 16)
+            if not chunk:
+                return
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for line in lines:
+                request = json.loads(line)
+                if request["op"] == "run":
+                    pid = os.fork()
+                    if pid == 0:
+                        for launched in filter(None, children.values()):
+                            launched.close()
+                        os.close(requests)
+                        replies.close()
+                        listener.close()
+                        _command(request, launcher)  # raises SystemExit, as the interpreter's exit
+                    children[pid], ranks = None, 0
+                    # A fork copies only the forking thread: a lock another thread held stays locked in the child.
+                    # The imports start none; tests/test_preloaded.py checks it with this count.
+                    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc") else None
+                    replies.write(json.dumps({"pid": pid, "threads": threads}) + "\n")
+                else:  # "wait": the exit status of a command this server forked
+                    awaited.add(request["pid"])
+        for pid in awaited & ended.keys():
+            awaited.discard(pid)
+            replies.write(json.dumps({"returncode": ended.pop(pid), "ranks": ranks}) + "\n")
         replies.flush()
 
 
-def _command(request: dict) -> None:
+def _reap(children: dict) -> list[tuple[int, int]]:
+    done = []
+    for pid in list(children):
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            done.append((pid, os.waitstatus_to_exitcode(status)))
+    return done
+
+
+def _send(sock: socket.socket, message: dict) -> None:
+    try:
+        sock.sendall((json.dumps(message) + "\n").encode())
+    except OSError:  # the launcher was killed: nobody waits for the answer
+        pass
+
+
+# What Lightning's launcher runs for each other DDP rank: `sys.executable -m training.cli ARGS` with the rank's
+# environment. In a forked command sys.executable is this small script, which asks the server to fork the rank, as it
+# forked the command, and stands in for it: the rank's exit status (a signal's as the same signal) and the signals
+# it gets go through it. Anything else it is asked to run (a compile worker, a spawned loader), and a rank whose
+# environment the server's imports do not match, gets the real interpreter by exec.
+LAUNCHER = """#!{python} -S
+import json, os, signal, socket, struct, sys
+args = sys.argv[1:]
+if (args[:2] != ["-m", "training.cli"] or os.environ.get("OMP_NUM_THREADS") != {threads!r}
+        or os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS") == "1"):
+    os.execv({python!r}, [{python!r}, *args])
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.connect({socket!r})
+body = json.dumps({{"args": args[2:], "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+socket.send_fds(server, [struct.pack("!Q", len(body))], [0, 1, 2])
+server.sendall(body)
+answers = server.makefile("r")
+pid = json.loads(answers.readline())["pid"]
+def forward(signum, frame):
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(signum, forward)
+code = json.loads(answers.readline())["returncode"]
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def _write_launcher(folder: Path) -> Path:
+    path = folder / "python"
+    path.write_text(LAUNCHER.format(python=sys.executable, threads=THREADS, socket=str(folder / "ranks.sock")))
+    path.chmod(0o755)
+    return path
+
+
+def _fork_rank(launched: socket.socket, launcher: Path, server_fds: tuple[int, ...]) -> int | None:
+    """Fork the rank a launcher asks for, with the launcher's stdin, stdout and stderr; its pid, told the launcher
+    too. The rank dies with its launcher (Lightning kills a rank's process, a test the job's session): the launcher's
+    end of the socket closing sends the rank SIGIO, whose default action ends it."""
+    header, fds, _, _ = socket.recv_fds(launched, 8, 3)
+    if len(header) < 8:  # the launcher died before it asked
+        launched.close()
+        return None
+    (length,) = struct.unpack("!Q", header)
+    body = b""
+    while len(body) < length:
+        body += launched.recv(length - len(body))
+    request = json.loads(body)
+    pid = os.fork()
+    if pid == 0:
+        for fd in server_fds:
+            os.close(fd)
+        fcntl.fcntl(launched, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(launched, fcntl.F_SETFL, fcntl.fcntl(launched, fcntl.F_GETFL) | os.O_ASYNC)
+        if select.select([launched], [], [], 0)[0]:  # the launcher died before the SIGIO was set up
+            os._exit(1)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        _become(request, launcher)
+    for fd in fds:
+        os.close(fd)
+    _send(launched, {"pid": pid})
+    return pid
+
+
+def _command(request: dict, launcher: Path) -> None:
     """In the forked child: become `python -m training.cli ARGS` in the request's session, folder and environment."""
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    _become(request, launcher)
+
+
+def _become(request: dict, launcher: Path) -> None:
     import numpy as np
+    from lightning_utilities.core.rank_zero import rank_zero_only
 
     import training.cli.app
 
@@ -84,13 +227,14 @@ def _command(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
     np.random.seed()  # (Python's `random` reseeds itself in a forked child; NumPy's global generator does not)
+    # Lightning reads the process's rank from the environment on import, for rank_zero_only (documented: "set
+    # rank_zero_only.rank before use"): a forked rank reads its own, from the variables Lightning's import reads.
+    rank = next((os.environ[key] for key in RANK_VARIABLES if key in os.environ), "0")
+    rank_zero_only.rank = int(rank)
     sys.argv = [str(Path(training.cli.__file__).with_name("__main__.py")), *request["args"]]
     sys.modules["__main__"] = training.cli  # Lightning's launcher reads __main__.__spec__ for the ranks' command
+    sys.executable = str(launcher)  # ...and sys.executable: the other ranks are forked by the server too
     # another entry: tests/test_preloaded.py
     module, _, function = request.get("entry", "training.cli.app:main").partition(":")
     getattr(importlib.import_module(module), function)()
@@ -130,6 +274,7 @@ class Command:
         self.folder = Path(tempfile.mkdtemp(prefix="imgcls-cmd-"))
         self.out, self.err = self.folder / "stdout", self.folder / "stderr"
         self.returncode: int | None = None
+        self.ranks: int | None = None  # the DDP ranks its launcher had the server fork
         try:
             reply = server.ask({"op": "run", "entry": entry, "args": args, "cwd": str(cwd), "env": env,
                                 "stdout": str(self.out), "stderr": str(self.err)})
@@ -145,7 +290,7 @@ class Command:
             reply = self.server.reply(timeout)
             if reply is None:
                 raise subprocess.TimeoutExpired(["imgcls"], timeout)
-            self.returncode = reply["returncode"]
+            self.returncode, self.ranks = reply["returncode"], reply["ranks"]
             self.server.lock.release()
         try:
             return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")

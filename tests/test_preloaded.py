@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,23 +111,71 @@ def sleeper() -> None:
 
 @pytest.mark.slow
 def test_a_fit_forked_by_the_server_equals_one_in_a_fresh_interpreter(tmp_path, monkeypatch):
-    """The same 2-process DDP fit both ways (rank 1 started by Lightning's launcher from the forked rank 0): the same
-    weights, the same lines printed (Lightning's hint quotes the command it was started with)."""
+    """The same 2-process DDP fit both ways (rank 1 forked by the server as well, or both fresh interpreters): the same
+    weights, the same lines printed (Lightning's hint quotes the command it was started with; its rank_zero_only
+    lines come from rank 0 alone)."""
     data = make_image_folder(tmp_path / "data", {"a": 8, "b": 8}, size=32)
     outputs, weights = [], []
     for name in ("preloaded", "fresh"):
-        if name == "fresh":
-            monkeypatch.setenv("IMGCLS_TEST_FRESH_INTERPRETERS", "1")
         run = tmp_path / name
-        proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(data),
-                       "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.max_epochs", "1",
-                       "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
-                       "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run), timeout=300,
-                       env=cli_env(MASTER_PORT=str(free_port())))
+        args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(data),
+                "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.max_epochs", "1",
+                "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run)]
+        env = cli_env(MASTER_PORT=str(free_port()))
+        if name == "preloaded":
+            command = preloaded.command(args, ROOT, env, ROOT, cli_env())
+            out, err = command.communicate(timeout=300)
+            assert command.returncode == 0, err[-3000:]
+            assert command.ranks == 1  # rank 1 forked by the server too, not started as a fresh interpreter
+        else:
+            monkeypatch.setenv("IMGCLS_TEST_FRESH_INTERPRETERS", "1")
+            proc = run_cli(*args, env=env, timeout=300)
+            out, err = proc.stdout, proc.stderr
         # The ranks' lines interleave as they come; the second run finds the first one's scan cache.
-        outputs.append(sorted(line.replace(str(run), "RUN") for line in (proc.stdout + proc.stderr).splitlines()
+        outputs.append(sorted(line.replace(str(run), "RUN") for line in (out + err).splitlines()
                               if not line.startswith("data: start scan")))
         weights.append(torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"])
     assert max_diff(*weights) == 0
     assert outputs[0] == outputs[1]
     assert "resolved config RUN/config.yaml" in outputs[0] and "[rank: 1] Seed set to 42" in outputs[0]
+
+
+def rank_of_its_own() -> None:
+    """A command's entry point: starts DDP rank 1 as Lightning's launcher does (`sys.executable -m training.cli ARGS`,
+    the rank's environment), which waits for a rank 0 that never comes, and waits for it."""
+    env = dict(os.environ, LOCAL_RANK="1", NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    subprocess.Popen([sys.executable, "-m", "training.cli", *sys.argv[1:]], env=env).wait()
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rpartition(")")[2].split()[1]) == parent:
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the processes' parents in /proc")
+def test_a_rank_the_server_forks_dies_with_the_job_that_started_it(tmp_path):
+    """Killing the command's session (what a timeout does, and a test of a killed job) kills the ranks its launcher
+    had the server fork, though they live outside that session: each one dies with its launcher."""
+    data = make_image_folder(tmp_path / "data", {"a": 2, "b": 2}, size=32)
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(data),
+            "--trainer.devices", "2", "--trainer.default_root_dir", str(tmp_path / "run")]
+    command = preloaded.command(args, tmp_path, cli_env(MASTER_PORT=str(free_port())), ROOT,
+                                cli_env(), entry="tests.test_preloaded:rank_of_its_own")
+    server = preloaded._SERVER.proc.pid
+    deadline = time.monotonic() + 60
+    while not (ranks := [pid for pid in _children_of(server) if pid != command.pid]):
+        assert time.monotonic() < deadline, "no rank forked by the server"
+        time.sleep(0.1)
+    os.killpg(command.pid, signal.SIGKILL)
+    command.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), f"rank {ranks} outlived its job"
