@@ -17,10 +17,10 @@ worker) for each command. The forked process is what `python -m training.cli ARG
 - it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
 
 What differs: the imports ran once, in an environment the test's may not match where the libraries read it at
-import time. Two things are read that way here: the thread count (OpenMP's, OMP_NUM_THREADS), and a command or rank
-whose environment asks for another one gets a fresh interpreter; and the rank of the process (Lightning's
-rank_zero_only), which a forked process sets from its own environment. So does every command when IMGCLS_TEST_FRESH_INTERPRETERS=1
-(the real start, for a suspicious difference), and tests/test_preloaded.py checks that both give the same run.
+import time. Two things are read that way here. The thread count (OpenMP's, OMP_NUM_THREADS): a command or rank whose
+environment asks for another one gets a fresh interpreter, as every command does when IMGCLS_TEST_FRESH_INTERPRETERS=1
+(the real start, for a suspicious difference), and tests/test_preloaded.py checks that both give the same run. And
+the rank of the process (Lightning's rank_zero_only), which a forked process sets from its own environment.
 
 Which of the two runs a command is decided by the test's own inputs alone (the switch, the command's thread count,
 a stand-in interpreter): never by timing. A server that died, or a second command while one runs (one per server),
