@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import math
-import signal
 from functools import partial
 from unittest import mock
 
@@ -24,14 +23,11 @@ from tests.helpers import (
     CONFIGS,
     TINY,
     TINY_ARCH,
-    kill_args,
     killed_and_resumed,
     make_image_folder,
-    max_diff,
     printed_metrics,
     resume_config,
     run_cli,
-    shipped_config,
 )
 from tests.user_plugins import FocalLoss, LinearDecay, SmallGeMNet
 from training.callbacks import FreezeBackbone
@@ -154,47 +150,6 @@ def test_a_users_scheduler_gets_the_runs_length_from_the_model():
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     assert isinstance(scheduler, LinearDecay) and config["lr_scheduler"]["interval"] == "step"
     assert _stepped(optimizer, scheduler, 8) == pytest.approx([0.4 * (1 - s / 8) for s in range(9)])
-
-
-ONE_CYCLE = {"optimizer": {"class_path": "torch.optim.RMSprop", "init_args": {"lr": 0.01, "momentum": 0.9}},
-             "lr_scheduler": {"class_path": "torch.optim.lr_scheduler.OneCycleLR", "init_args": {"max_lr": 0.02}}}
-
-
-def test_rmsprop_with_one_cycle_by_class_path_alone_fits_and_resumes_after_kill9_to_identical_weights(tmp_path):
-    """torch's RMSprop and OneCycleLR, named in YAML only: OneCycleLR gets the run's total_steps from the model, the
-    checkpoint holds both as class_path and init_args (load_from_checkpoint rebuilds them), and a run SIGKILLed
-    mid-epoch 1 resumes to the weights of the run that never was."""
-    data = make_image_folder(tmp_path / "images", {"a": 8, "b": 8}, size=32)
-    cfg = shipped_config()
-    cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu",
-                          enable_progress_bar=False, enable_model_summary=False)
-    cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    cfg["model"]["net"]["init_args"].update(arch=TINY_ARCH, head_hidden=32)
-    cfg["model"]["levers"]["channels_last"] = False
-    cfg["model"].update(**ONE_CYCLE)
-    cfg["data"].update(root=str(data), batch_size=4, num_workers=0, image_size=32)
-    config = tmp_path / "one_cycle.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-
-    def fit(run, *extra, check=True):
-        return run_cli("fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / run), *extra,
-                       check=check, timeout=300)
-
-    reference = fit("reference")
-    assert "RMSprop lr 0.01 per 256 images" in reference.stdout + reference.stderr
-    killed = fit("killed", *kill_args(6, "train"), check=False)  # 4 steps an epoch: mid-epoch 1
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    fit("killed")  # auto_resume, as shipped
-    ckpt = {run: torch.load(tmp_path / run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-            for run in ("reference", "killed")}
-    assert max_diff(ckpt["reference"]["state_dict"], ckpt["killed"]["state_dict"]) == 0.0
-    saved = ckpt["killed"]["hyper_parameters"]
-    assert saved["optimizer"]["class_path"] == "torch.optim.RMSprop" and saved["optimizer"]["init_args"]["lr"] == 0.01
-    assert saved["lr_scheduler"]["init_args"]["max_lr"] == 0.02
-    assert ckpt["killed"]["lr_schedulers"][0]["total_steps"] == 8  # from the model: 2 epochs of 4 steps
-    model = ImageClassifier.load_from_checkpoint(tmp_path / "killed" / "checkpoints" / "last.ckpt",
-                                                 map_location="cpu", weights_only=True)
-    assert isinstance(model.make_optimizer(), torch.optim.RMSprop)
 
 
 # ---- network ----------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from datamodules.images import list_images, read_image
 from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain, input_contract
 from datamodules.transforms import build_transform, eval_pipeline
 from deploy.export import preprocessing
+from lightning_modules import ImageClassifier
 from tests.helpers import CONFIGS, killed_and_resumed, make_image_folder, resume_config, run_cli
 from tests.user_plugins import SquareResize
 from training.records.saved_run import SavedRun
@@ -28,6 +29,9 @@ USER_TRANSFORMS = {  # by YAML alone: a v2 Compose holding a user's step, and a 
         {"class_path": "tests.user_plugins.ChannelJitter", "init_args": {"strength": 20}}]}},
     "eval_transform": {"class_path": "tests.user_plugins.SquareResize", "init_args": {"size": 32, "mean": 0.4}},
 }
+# The runs here swap the optimizer and schedule by YAML alone as well: torch's RMSprop and OneCycleLR
+ONE_CYCLE = {"optimizer": {"class_path": "torch.optim.RMSprop", "init_args": {"lr": 0.01, "momentum": 0.9}},
+             "lr_scheduler": {"class_path": "torch.optim.lr_scheduler.OneCycleLR", "init_args": {"max_lr": 0.02}}}
 
 
 def test_a_preset_runs_contract_holds_its_values_and_rebuilds_its_eval_transform():
@@ -124,6 +128,7 @@ def images(tmp_path_factory):
 def _config(folder, images) -> str:
     cfg = resume_config()
     cfg["data"].update(root=str(images), batch_size=8, num_workers=0, **USER_TRANSFORMS)
+    cfg["model"].update(**ONE_CYCLE)
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -133,7 +138,7 @@ def _config(folder, images) -> str:
 def user_run(tmp_path_factory, images):
     folder = tmp_path_factory.mktemp("user_run")
     proc = run_cli("fit", "--config", str(_config(folder, images)), "--trainer.default_root_dir", str(folder / "run"))
-    assert "val/acc" in proc.stdout
+    assert "val/acc" in proc.stdout and "RMSprop lr 0.01 per 256 images" in proc.stdout + proc.stderr
     return folder / "run"
 
 
@@ -168,6 +173,16 @@ def test_a_checkpoint_evaluates_predicts_and_exports_with_the_users_eval_transfo
     assert (pre["image_size"], pre["mean"]) == (32, [0.4] * 3) and "SquareResize" in pre["steps"][0]
 
 
-def test_a_users_transforms_resume_after_kill_to_identical_weights(tmp_path, images):
-    """ChannelJitter and RandomResizedCrop draw from torch's generator, which the per-sample seed replays."""
+def test_a_users_transforms_optimizer_and_schedule_resume_after_kill_to_identical_weights(tmp_path, images):
+    """ChannelJitter and RandomResizedCrop draw from torch's generator, which the per-sample seed replays. RMSprop and
+    OneCycleLR, named in YAML only: OneCycleLR gets the run's total_steps from the model, and the checkpoint holds
+    both as class_path and init_args (load_from_checkpoint rebuilds them)."""
     assert killed_and_resumed(_config(tmp_path, images), tmp_path, kill_after=3, resumes_from=2) == 0.0
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, map_location="cpu", weights_only=True)
+    saved = ckpt["hyper_parameters"]
+    assert saved["optimizer"]["class_path"] == "torch.optim.RMSprop" and saved["optimizer"]["init_args"]["lr"] == 0.01
+    assert saved["lr_scheduler"]["init_args"]["max_lr"] == 0.02
+    assert ckpt["lr_schedulers"][0]["total_steps"] == 6  # from the model: 2 epochs of 3 steps (24 images, batch 8)
+    model = ImageClassifier.load_from_checkpoint(last, map_location="cpu", weights_only=True)
+    assert isinstance(model.make_optimizer(), torch.optim.RMSprop)
