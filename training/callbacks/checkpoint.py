@@ -1,4 +1,5 @@
-"""ModelCheckpoint whose last.ckpt is the state at the end of every validation (a hard link where it can be)."""
+"""ModelCheckpoint whose last.ckpt is the state at the end of every validation (a hard link where it can be), and
+StepCheckpoint, the crash-recovery saves every N steps that write nothing where that last.ckpt holds the same step."""
 
 from __future__ import annotations
 
@@ -70,6 +71,29 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
         if trainer.ckpt_path is not None and path == Path(trainer.ckpt_path).absolute():
             return False
         return Path(self.dirpath).absolute() in path.parents
+
+
+class StepCheckpoint(lightning_callbacks.ModelCheckpoint):
+    """Lightning's ModelCheckpoint for the saves every `every_n_train_steps` that bound what a kill loses, minus the
+    ones that would repeat a checkpoint of the same step: at a step that a validation follows (an epoch's end), where
+    the run's `ModelCheckpoint` (this module's, `save_last: true`) writes last.ckpt at that validation's end, it writes
+    nothing, and its newest file stays. A kill still loses at most N steps: last.ckpt holds that step.
+
+    ExactResume defers a step save at a batch that a validation follows until the validation has ended; the step
+    validated last tells such a deferred save from one at a batch's end.
+    """
+
+    _validated_step: int | None = None  # the global step of this fit's newest validation
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._validated_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._validated_step == trainer.global_step and any(
+                isinstance(c, ModelCheckpoint) and c.save_last is True for c in trainer.checkpoint_callbacks):
+            return  # last.ckpt of this step is written at the end of the validation that just ran
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 def monitor_candidates(trainer) -> dict[str, torch.Tensor]:
