@@ -176,6 +176,29 @@ def test_sections_from_different_machines_are_named_in_the_head():
     assert f"{one}; torch 2.14.1: Input pipeline;" in mixed and f"{other}; torch 2.14.1: Compute levers)" in mixed
 
 
+def test_the_timm_section_runs_only_a_peer_script_kept_outside_the_project(monkeypatch, tmp_path):
+    """No script: "not measured", in the record and on the page; one inside the project: refused; train.py's flags
+    carry the quickstart's recipe (its per-256 lr scaled to the batch, as imgcls does)."""
+    from benchmarks import timm_peer
+
+    monkeypatch.delenv(timm_peer.PEER_ENV, raising=False)
+    results = timm_peer.main(quick=True)
+    assert results == {"skipped": f"no peer script (set {timm_peer.PEER_ENV} to a copy of timm's train.py)"}
+    record = {"section": "timm_peer", "mode": "quick", "started": "2026-11-26 10:00 UTC", "seconds": 0.1,
+              "machine": {"cpu": "x", "line": "x"}, "results": results}
+    assert "Not measured: no peer script" in figures.section("timm_peer", record)
+    monkeypatch.setenv(timm_peer.PEER_ENV, str(figures.ROOT / "benchmarks" / "timm_peer.py"))
+    with pytest.raises(ValueError, match="inside the project"):
+        timm_peer.main(quick=True)
+    args = timm_peer.peer_args(timm_peer.RECIPE, tmp_path, tmp_path, 42, bf16=False)
+    value = {flag: args[args.index(flag) + 1] for flag in ("--lr", "-b", "--epochs", "--model", "--smoothing")}
+    recipe = timm_peer.RECIPE
+    assert value == {"--lr": str(recipe["lr"] * recipe["batch"] / 256), "-b": str(recipe["batch"]),
+                     "--epochs": str(recipe["epochs"]), "--model": recipe["arch"],
+                     "--smoothing": str(recipe["label_smoothing"])}
+    assert float(value["--lr"]) == 0.004 and "--amp" not in args and "--channels-last" in args
+
+
 def test_hardware_benchmark_times_the_quickstarts_step():
     import yaml
 
