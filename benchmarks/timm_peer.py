@@ -35,7 +35,7 @@ from datamodules.demo import build_demo_data
 TITLE = "imgcls fit against timm's train.py"
 PEER_ENV = "TIMM_TRAIN_PY"
 TARGET = 1.0  # imgcls' wall time at most this many times train.py's, at equal steps and accuracy at least equal
-REPS = {"native": 3, "avx2_estimate": 2}  # interleaved pairs per kind
+REPS = {"native": 2, "avx2_estimate": 2}  # interleaved pairs per kind (the issue asks for 2 or more)
 TIMM = "timm train.py"
 IMGCLS = "imgcls fit"
 NATIVE, AVX2_ESTIMATE = "this CPU, as `auto` picks", "AVX2 estimate: ATEN_CPU_CAPABILITY=avx2, fp32"
@@ -177,11 +177,11 @@ def render(results: dict) -> tuple[str, str]:
         parts.append(f"{AVX2_ESTIMATE}: not measured (this CPU has no native bf16: the row above is the AVX2 kind; "
                      "the bf16 kind is not measured here).")
     recipe = results["recipe"]
-    settings = (f"{results['peer']}, unmodified, against configs/quickstart.yaml ({recipe['arch']} from scratch, "
-                f"{recipe['image_size']} px, batch {recipe['batch']}, AdamW, {recipe['epochs']} epochs) on the demo "
-                "digits' PNG files; train.py with one loader process, imgcls with its `auto` levers; seeds "
-                f"{RECIPE['seed']} onwards, one per pair; each run a process of its own, timed from launch to exit, "
-                "pairs interleaved with the order swapped each time; train.py's flags: "
+    settings = (f"timm's {results['peer']}, unmodified, against configs/quickstart.yaml ({recipe['arch']} from "
+                f"scratch, {recipe['image_size']} px, batch {recipe['batch']}, AdamW, {recipe['epochs']} epochs) on "
+                "the demo digits' PNG files; timm's train.py with one loader process, imgcls with its `auto` levers; "
+                f"seeds {RECIPE['seed']} onwards, one per pair; each run a process of its own, timed from launch to "
+                "exit, pairs interleaved with the order swapped each time; the flags of timm's train.py: "
                 + " ".join(results["peer_args"]) + (" (quick: resnet18, 1 epoch)" if results["quick"] else ""))
     return "\n\n".join(parts), settings
 
