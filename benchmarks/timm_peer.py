@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import re
 import statistics
 import sys
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.common import auto_cpu_precision, table, verdict
@@ -34,6 +36,7 @@ from datamodules.demo import build_demo_data
 
 TITLE = "imgcls fit against timm's train.py"
 PEER_ENV = "TIMM_TRAIN_PY"
+KINDS_ENV = "TIMM_PEER_KINDS"  # the kinds a run measures, comma-separated (`--kinds` sets it); default both
 TARGET = 1.0  # imgcls' wall time at most this many times train.py's, at equal steps and accuracy at least equal
 REPS = {"native": 2, "avx2_estimate": 2}  # interleaved pairs per kind (the issue asks for 2 or more)
 TIMM = "timm train.py"
@@ -93,11 +96,27 @@ def run_imgcls(data: Path, out: Path, recipe: dict, seed: int, precision: str | 
 def kinds() -> dict[str, dict]:
     """The CPU kinds measured here: this one as `auto` picks, and on a bf16 CPU the AVX2 estimate."""
     bf16 = auto_cpu_precision() == "bf16-mixed"
-    found = {NATIVE: {"bf16": bf16, "precision": None, "env": {}, "reps": REPS["native"]}}
+    found = {NATIVE: {"key": "native", "bf16": bf16, "precision": None, "env": {}, "reps": REPS["native"]}}
     if bf16:
-        found[AVX2_ESTIMATE] = {"bf16": False, "precision": "32-true", "env": {"ATEN_CPU_CAPABILITY": "avx2"},
-                                "reps": REPS["avx2_estimate"]}
+        found[AVX2_ESTIMATE] = {"key": "avx2_estimate", "bf16": False, "precision": "32-true",
+                                "env": {"ATEN_CPU_CAPABILITY": "avx2"}, "reps": REPS["avx2_estimate"]}
     return found
+
+
+def kept_runs(recipe: dict, measured: set[str]) -> tuple[dict, dict]:
+    """The other kinds' runs in this machine's stored record of the same recipe (a run of one kind keeps the other's),
+    and when each was measured."""
+    from benchmarks import figures
+    from benchmarks.common import machine_info
+
+    path = figures.RESULTS / "machines" / figures.machine_slug(machine_info()) / "timm_peer.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    results = record.get("results", {})
+    if record.get("mode") != "full" or results.get("recipe") != json.loads(json.dumps(recipe)):  # tuples: lists
+        return {}, {}
+    runs = {kind: sides for kind, sides in results["runs"].items() if kind not in measured}
+    started = {kind: results.get("measured", {}).get(kind, record["started"]) for kind in runs}
+    return runs, started
 
 
 def main(quick: bool = False) -> dict:
@@ -110,6 +129,9 @@ def main(quick: bool = False) -> dict:
     if ROOT in peer.parents:
         raise ValueError(f"{PEER_ENV}={peer} lies inside the project; keep timm's train.py outside it")
     recipe = QUICK_RECIPE if quick else RECIPE
+    wanted = os.environ.get(KINDS_ENV, "native,avx2_estimate").split(",")
+    todo = {kind: how for kind, how in kinds().items() if how["key"] in wanted}
+    kept, measured = kept_runs(recipe, set(todo)) if not quick else ({}, {})
     data = build_demo_data(Path(tempfile.gettempdir()) / f"imgcls-bench-digits-{recipe['image_size']}",
                            size=recipe["image_size"])
     runs: dict[str, dict[str, list[dict]]] = {}
@@ -120,7 +142,7 @@ def main(quick: bool = False) -> dict:
         # the data's scan cache; neither should fall on whichever side happens to run first.
         run_timm(peer, data, tmp / "warm-timm", warm, 0, False, dict(os.environ))
         run_imgcls(data, tmp / "warm-imgcls", warm, 0, "32-true", dict(os.environ))
-        for kind, how in kinds().items():
+        for kind, how in todo.items():
             runs[kind] = {TIMM: [], IMGCLS: []}
             env = dict(os.environ, **how["env"])
             for rep in range(1 if quick else how["reps"]):
@@ -131,8 +153,13 @@ def main(quick: bool = False) -> dict:
                     runs[kind][side].append(
                         run_timm(peer, data, out, recipe, seed, how["bf16"], env) if side == TIMM
                         else run_imgcls(data, out, recipe, seed, how["precision"], env))
-    shown = peer_args(recipe, Path("DATA"), Path("OUT"), RECIPE["seed"], kinds()[NATIVE]["bf16"])
-    return {"recipe": recipe, "quick": quick, "peer": peer_version(peer), "runs": runs, "peer_args": shown}
+    now = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
+    measured |= dict.fromkeys(runs, now)
+    runs = {kind: runs.get(kind) or kept[kind] for kind in kinds() if kind in runs or kind in kept}
+    bf16 = kinds()[NATIVE]["bf16"]
+    shown = peer_args(recipe, Path("DATA"), Path("OUT"), RECIPE["seed"], bf16)
+    return {"recipe": recipe, "quick": quick, "peer": peer_version(peer), "runs": runs, "peer_args": shown,
+            "bf16_cpu": bf16, "measured": {kind: measured[kind] for kind in runs}}
 
 
 def peer_version(peer: Path) -> str:
@@ -167,13 +194,17 @@ def render(results: dict) -> tuple[str, str]:
                  f"{_median(runs, lambda r: max(r['val_acc'])):.4f}",
                  ", ".join(f"{r['seconds']:.0f} s" for r in runs)] for side, runs in sides.items()]
         s = _summary(sides)
-        parts.append(f"{kind}:\n\n" + table(["program", "runs", "wall time, launch to exit (median)",
-                                            "CPU time (median)", "optimizer steps", "final val/acc (median)",
-                                            "best val/acc (median)", "each run"], rows)
+        when = results.get("measured", {}).get(kind)
+        parts.append(f"{kind}{f' (measured {when})' if when else ''}:\n\n"
+                     + table(["program", "runs", "wall time, launch to exit (median)", "CPU time (median)",
+                              "optimizer steps", "final val/acc (median)", "best val/acc (median)", "each run"], rows)
                      + f"\n\nimgcls / timm wall time, within each pair: median {s['ratio']:.2f}x (from {s['min']:.2f}x "
                        f"to {s['max']:.2f}x, {len(_ratios(sides))} pairs). Target, at most {TARGET}x with best "
                        f"val/acc at least equal: {verdict(s['met'])}.")
-    if not any(kind == AVX2_ESTIMATE for kind in results["runs"]):
+    if results.get("bf16_cpu") and AVX2_ESTIMATE not in results["runs"]:
+        parts.append(f"{AVX2_ESTIMATE}: not measured yet (`python -m benchmarks.timm_peer --kinds avx2_estimate` "
+                     "measures it and keeps the rows above).")
+    elif AVX2_ESTIMATE not in results["runs"]:
         parts.append(f"{AVX2_ESTIMATE}: not measured (this CPU has no native bf16: the row above is the AVX2 kind; "
                      "the bf16 kind is not measured here).")
     recipe = results["recipe"]
@@ -203,8 +234,12 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, help=f"timm's train.py, outside this project (sets ${PEER_ENV})")
+    parser.add_argument("--kinds", nargs="+", choices=("native", "avx2_estimate"),
+                        help="measure only these CPU kinds; this machine's stored rows of the other are kept")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs (kept under runs/)")
     args = parser.parse_args()
     if args.peer:
         os.environ[PEER_ENV] = str(args.peer)
+    if args.kinds:
+        os.environ[KINDS_ENV] = ",".join(args.kinds)
     run.main(args.quick, only=("timm_peer",))
