@@ -118,8 +118,6 @@ def trial_callback():
     """The callback a trial process adds to its Trainer (built from the JSON in $IMGCLS_SWEEP_TRIAL)."""
     from optuna_integration.pytorch_lightning import PyTorchLightningPruningCallback
 
-    from training.callbacks import ModelCheckpoint
-
     class SweepTrial(PyTorchLightningPruningCallback):
         """Reports each validation epoch's metric to the study (pruning decided by the study's pruner), and the
         metrics of the best checkpoint as the trial's result: those of the fit's validation of its weights (kept by
@@ -139,8 +137,9 @@ def trial_callback():
                     self.trial.storage.set_trial_system_attr(self.trial_id, key, value)
 
         def on_fit_end(self, trainer, pl_module) -> None:
-            seen = trainer.checkpoint_callback.best_validation() if isinstance(
-                trainer.checkpoint_callback, ModelCheckpoint) else None
+            # training.callbacks.ModelCheckpoint's (not imported: sweeps sit beside callbacks, not above them)
+            best_validation = getattr(trainer.checkpoint_callback, "best_validation", None)
+            seen = best_validation() if best_validation is not None else None
             if trainer.is_global_zero and seen is not None:
                 self.trial.set_user_attr("final_metrics", seen["metrics"])
 
