@@ -3,8 +3,10 @@
     BENCH_DATA=data/digits BENCH_RECIPE='{...}' BENCH_CLOCK=clock.jsonl BENCH_T0=$(date +%s.%N) \
         python -m benchmarks.plain_loop
 
-It imports only torch and torchvision (not Lightning, not this project's packages), so that its start-up is what a
-hand-written script pays. It appends {epoch, val_acc, seconds since $BENCH_T0} to $BENCH_CLOCK after each epoch.
+It imports only torch and torchvision (not Lightning; of this project only the seed functions and the CPU's levers),
+so that its start-up is what a hand-written script pays. It draws what imgcls draws: the same initial weights, batches
+and dropout masks for the same seed (`train`). It appends {epoch, val_acc, seconds since $BENCH_T0} to $BENCH_CLOCK
+after each epoch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 
 from benchmarks.common import cpu_autocast
 from core import hardware
+from core.seeding import batch_seed
 
 
 def load_split(split_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,11 +69,17 @@ def train(data: Path, recipe: dict, *, start: float, max_batches: int | None = N
     def prepare(x: torch.Tensor) -> torch.Tensor:  # uint8 (B, 3, H, W) -> float in [0, 1], NHWC
         return (x.float() / 255).contiguous(memory_format=torch.channels_last)
 
+    batches = 0
     for epoch in range(recipe["epochs"]):
         net.train()
-        order = torch.randperm(len(x_train))
+        # imgcls's draws: its training sampler's order, a function of (seed, epoch), and dropout seeded per batch.
+        # With the same initial weights (the same seed and construction), both sides then train on the same batches
+        # with the same masks, and the epoch at which each reaches a target is no longer a matter of luck.
+        order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(recipe["seed"] + epoch))
         for i in range(steps_per_epoch if max_batches is None else min(max_batches, steps_per_epoch)):
             idx = order[i * batch:(i + 1) * batch]
+            torch.manual_seed(batch_seed(batches, 0, base=recipe["seed"]))
+            batches += 1
             with cpu_autocast():
                 loss = F.cross_entropy(net(prepare(x_train[idx])), y_train[idx],
                                        label_smoothing=recipe["label_smoothing"])

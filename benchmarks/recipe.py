@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import standalone, table
-from benchmarks.time_to_accuracy import ROOT, _seconds_per_epoch, _timed
+from benchmarks.time_to_accuracy import ROOT, _seconds_per_epoch, clock_records, timed
 from datamodules.demo import build_demo_data
 
 TITLE = "Recipe ablation"
@@ -48,8 +48,8 @@ def fit(data: Path, run_dir: Path, extra: list[str], seed: int, epochs: int, qui
     if quick:
         args += ["--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--data.num_workers", "0",
                  "--data.batch_size", "16"]
-    records, _ = _timed(args, run_dir / "clock.jsonl")
-    return records
+    timed(args, clock=run_dir / "clock.jsonl")
+    return clock_records(run_dir / "clock.jsonl")
 
 
 def measure(quick: bool) -> dict:

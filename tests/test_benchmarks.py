@@ -176,6 +176,54 @@ def test_sections_from_different_machines_are_named_in_the_head():
     assert f"{one}; torch 2.14.1: Input pipeline;" in mixed and f"{other}; torch 2.14.1: Compute levers)" in mixed
 
 
+def test_the_timm_section_runs_only_a_peer_script_kept_outside_the_project(monkeypatch, tmp_path):
+    """No script: "not measured", in the record and on the page; one inside the project: refused; train.py's flags
+    carry the quickstart's recipe (its per-256 lr scaled to the batch, as imgcls does)."""
+    from benchmarks import timm_peer
+
+    monkeypatch.delenv(timm_peer.PEER_ENV, raising=False)
+    results = timm_peer.main(quick=True)
+    assert results == {"skipped": f"no peer script (set {timm_peer.PEER_ENV} to a copy of timm's train.py)"}
+    record = {"section": "timm_peer", "mode": "quick", "started": "2026-11-26 10:00 UTC", "seconds": 0.1,
+              "machine": {"cpu": "x", "line": "x"}, "results": results}
+    assert "Not measured: no peer script" in figures.section("timm_peer", record)
+    monkeypatch.setenv(timm_peer.PEER_ENV, str(figures.ROOT / "benchmarks" / "timm_peer.py"))
+    with pytest.raises(ValueError, match="inside the project"):
+        timm_peer.main(quick=True)
+    args = timm_peer.peer_args(timm_peer.RECIPE, tmp_path, tmp_path, 42, bf16=False)
+    value = {flag: args[args.index(flag) + 1] for flag in ("--lr", "-b", "--epochs", "--model", "--smoothing")}
+    recipe = timm_peer.RECIPE
+    assert value == {"--lr": str(recipe["lr"] * recipe["batch"] / 256), "-b": str(recipe["batch"]),
+                     "--epochs": str(recipe["epochs"]), "--model": recipe["arch"],
+                     "--smoothing": str(recipe["label_smoothing"])}
+    assert float(value["--lr"]) == 0.004 and "--amp" not in args and "--channels-last" in args
+
+
+def test_a_timm_run_of_one_kind_keeps_the_other_kinds_stored_rows(monkeypatch, tmp_path):
+    """--kinds avx2_estimate keeps this machine's native rows of the same recipe (not another recipe's), and a bf16
+    CPU's page without AVX2-estimate rows says they are not measured yet."""
+    from benchmarks import timm_peer
+    from benchmarks.common import machine_info
+
+    run_ = {"seconds": 50.0, "cpu_seconds": 90.0, "val_acc": [0.9, 0.98], "steps": 176}
+    native = {timm_peer.TIMM: [run_, run_], timm_peer.IMGCLS: [run_, dict(run_, seconds=45.0)]}
+    results = {"recipe": timm_peer.RECIPE, "quick": False, "peer": "train.py (1 bytes) with timm 1", "bf16_cpu": True,
+               "runs": {timm_peer.NATIVE: native}, "peer_args": ["--epochs", "8"],
+               "measured": {timm_peer.NATIVE: "2026-11-26 19:13 UTC"}}
+    record = {"section": "timm_peer", "mode": "full", "started": "2026-11-26 19:00 UTC", "seconds": 1.0,
+              "machine": machine_info(), "results": json.loads(json.dumps(results))}
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    figures.store(record, tmp_path)
+    kept, when = timm_peer.kept_runs(timm_peer.RECIPE, {timm_peer.AVX2_ESTIMATE})
+    assert kept == {timm_peer.NATIVE: json.loads(json.dumps(native))}
+    assert when == {timm_peer.NATIVE: "2026-11-26 19:13 UTC"}
+    assert timm_peer.kept_runs(timm_peer.RECIPE, {timm_peer.NATIVE}) == ({}, {})
+    assert timm_peer.kept_runs(dict(timm_peer.RECIPE, epochs=2), {timm_peer.AVX2_ESTIMATE}) == ({}, {})
+    page, _ = timm_peer.render(results)
+    assert "median 0.95x (from 0.90x to 1.00x, 2 pairs)" in page
+    assert "(measured 2026-11-26 19:13 UTC)" in page and "fp32: not measured yet" in page
+
+
 def test_hardware_benchmark_times_the_quickstarts_step():
     import yaml
 

@@ -37,7 +37,7 @@ FILE_SUFFIX = re.compile(r"\.(py|yaml|ipynb|json|md|csv|ckpt|pth|pt|onnx|safeten
 KEY = re.compile(r"(?<![\w./-])((?:trainer|model|data|freeze)(?:\.\w+)+)")  # data.sampler, model.recipe.lr_scaling
 IN_FOLDER = "|".join(FOLDERS)
 PATH = re.compile(rf"(?<![\w./<-])((?:{IN_FOLDER})/[\w./*<>-]*[\w*>])")
-FILE_NAME = re.compile(r"(?<![\w./<-])(\w+\.py)\b")
+FILE_NAME = re.compile(r"(?<![\w./<-])(?<!timm )(?<!timm's )(\w+\.py)\b")  # timm's train.py is timm's, not ours
 PLACED = re.compile(rf"(?<![\w./<-])((?:{IN_FOLDER})/[\w./-]*\.py)(?::\s*|::)([A-Za-z_]\w*(?:\.\w+)?)")
 TEST_NAME = re.compile(r"(?<![\w./])(test_\w+)(?![\w.])")
 SECTION_REF = re.compile(r"((?:docs/)?[A-Z_]+\.md)(?:,\s*|\s*\(|\s+)\"([^\"\n]+)\"")  # PERFORMANCE.md, "Start scan"
@@ -378,8 +378,10 @@ def test_the_class_path_check_refuses_a_name_that_does_not_import():
 
 def test_the_path_checks_refuse_what_the_repository_does_not_hold():
     text = ("`training/resume/nope.py`, `training/resume/exact.py`, `benchmarks/results/distributed.json`, "
-            "`benchmarks/results/machines/<machine>/*.json`, `checkpointing.py`, `exact.py`, `my_nets.py`")
-    assert missing_paths(text) == ["benchmarks/results/distributed.json", "checkpointing.py", "training/resume/nope.py"]
+            "`benchmarks/results/machines/<machine>/*.json`, `checkpointing.py`, `exact.py`, `my_nets.py`, "
+            "timm's train.py, train.py")
+    assert missing_paths(text) == ["benchmarks/results/distributed.json", "checkpointing.py", "train.py",
+                                   "training/resume/nope.py"]
     assert misplaced_names("`training/resume/faults.py: ExactResume`, `training/resume/exact.py: ExactResume`, "
                            "`tests/test_docs.py::test_no_such`") == [
         "tests/test_docs.py: test_no_such", "training/resume/faults.py: ExactResume"]

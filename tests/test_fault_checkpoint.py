@@ -23,7 +23,7 @@ import yaml
 
 import training.resume.checkpoints as checkpointing
 from lightning_modules.network import BackboneWithHead
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, resume_config, run_cli
 from training.callbacks import ModelCheckpoint
 from training.records.secrets import redact_secrets
 from training.resume.checkpoints import (
@@ -463,6 +463,33 @@ def test_users_own_model_checkpoints_save_what_they_ask_for(tmp_path, digits_roo
     assert named and all(Path(path).is_file() for path in named), summary
     for variant, (_, expected) in USER_CHECKPOINTS.items():
         assert f"{folders[variant]}: {len(expected)} file(s)" in summary
+
+
+def test_the_shipped_step_checkpoint_skips_the_steps_last_ckpt_holds(tmp_path, digits_root, monkeypatch):
+    """The shipped callbacks, a step checkpoint every 2 steps of 2 epochs of 4: steps 2 and 6 are mid-epoch, each a
+    step file; steps 4 and 8 end an epoch, whose validation writes last.ckpt of them, so no step file repeats it. A
+    checkpoint every 2 steps all the same: a kill loses at most 2."""
+    from training.cli.app import cli_main
+
+    saved: list[tuple[str, int]] = []
+    write = AtomicCheckpointIO.save_checkpoint
+
+    def recording(self, checkpoint, path, storage_options=None):
+        saved.append((Path(path).name, checkpoint["global_step"]))
+        write(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", recording)
+    config, run = tmp_path / "config.yaml", tmp_path / "run"
+    config.write_text(yaml.safe_dump(resume_config(every_n_train_steps=2)))
+    cli = cli_main(["fit", "--config", str(config), "--data.root", str(digits_root), "--data.image_size", "32",
+                    "--data.batch_size", "16", "--trainer.default_root_dir", str(run),
+                    "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "1"])
+    assert cli.trainer.global_step == 8
+    assert [(name, step) for name, step in saved if name.startswith("step")] == [("step0000002.ckpt", 2),
+                                                                                 ("step0000006.ckpt", 6)], saved
+    assert {step for _, step in saved} == {2, 4, 6, 8}, saved
+    assert {p.name for p in (run / "checkpoints").glob("step*.ckpt")} == {"step0000006.ckpt"}
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 8
 
 
 def test_resume_looks_in_every_checkpoint_folder_of_the_run(tmp_path):

@@ -51,6 +51,10 @@ FENCE = {
     "_save_last_checkpoint": ("training/callbacks/checkpoint.py",
                               "the one place Lightning writes last.ckpt: overridden to link it instead of writing "
                               "the same state twice"),
+    "_save_checkpoint": ("training/callbacks/checkpoint.py: ModelCheckpoint._save_checkpoint",
+                         "each file's entry of the validation of its weights is noted before the write, so that the "
+                         "file holds its own (a resumed fit shows the best file's metrics without validating it "
+                         "again); the one place a ModelCheckpoint writes a file, with its path"),
     "_check_log_dir_exists": ("training/records/loggers.py: _KeptMetrics",
                               "Lightning's CSVLogger deletes metrics.csv there when a run starts again in its folder; "
                               "the writer has no option to keep it"),
@@ -353,6 +357,7 @@ def test_the_fenced_lightning_methods_exist():
     assert callable(ModelCheckpoint._should_save_on_train_epoch_end)
     assert list(inspect.signature(ModelCheckpoint._save_last_checkpoint).parameters) == [
         "self", "trainer", "monitor_candidates"]
+    assert list(inspect.signature(ModelCheckpoint._save_checkpoint).parameters) == ["self", "trainer", "filepath"]
     from lightning.pytorch.cli import _InstantiatorFn  # noqa: F401
     from torch.distributed._composable import checkpoint  # noqa: F401
 

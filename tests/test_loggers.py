@@ -41,12 +41,6 @@ def git_head() -> str:
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
-def closing_validations(fit_acc: list[float]) -> int:
-    """How many closing validations of the best checkpoint a fit with these val/acc values (in order) runs: one,
-    unless its newest validation was the best's (Lightning keeps the earlier of equal scores as the best)."""
-    return 0 if fit_acc[-1] > max(fit_acc[:-1]) else 1
-
-
 def fit_args(root: Path, run: Path) -> list[str]:
     return ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "loggers" / "wandb.yaml"),
             *TINY, "--data.root", str(root), "--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", "3",
@@ -72,13 +66,11 @@ def test_tensorboard_events_hold_val_acc_every_epoch_and_pictures(wandb_run):
             images.setdefault(tag, []).extend(acc.Images(tag))
     epochs = {int(e.value) for e in scalars["epoch"]}
     assert epochs >= set(range(EPOCHS))
-    # val/acc once per epoch, plus the closing validation of the best checkpoint when the last was not the best
+    # val/acc once per epoch; no closing validation: the fit's validation of the best weights is known
     values = [e.value for e in sorted(scalars["val/acc"], key=lambda e: e.wall_time)]
-    closing = closing_validations(values[:EPOCHS])
-    assert len(values) == EPOCHS + closing
-    assert all(0.0 <= v <= 1.0 for v in values) and all(v == max(values[:EPOCHS]) for v in values[EPOCHS:])
+    assert len(values) == EPOCHS and all(0.0 <= v <= 1.0 for v in values)
     for tag in ("val/confusion_matrix", "val/misclassified"):  # the first and the last validation always drawn
-        assert len(images[tag]) == EPOCHS + closing
+        assert len(images[tag]) == EPOCHS
 
 
 def test_hyperparameters_hold_config_git_and_data_summary(wandb_run, digits_root):
@@ -94,11 +86,10 @@ def test_wandb_offline_run_holds_metrics_config_and_images(wandb_run):
     records = [json.loads(line) for line in wandb_inspect(wandb_run, "--json").splitlines() if line.strip()]
     history = [r["history"]["item"] for r in records if r.get("type") == "history"]
     val = [h for h in history if "val/acc" in h]
-    closing = closing_validations([h["val/acc"] for h in val[:EPOCHS]])
-    assert len(val) == EPOCHS + closing and {h["epoch"] for h in val[:EPOCHS]} == set(range(EPOCHS))
+    assert len(val) == EPOCHS and {h["epoch"] for h in val} == set(range(EPOCHS))
     for tag in ("val/confusion_matrix", "val/misclassified"):  # image records: one per validation epoch
         logged = [h for h in history if f"{tag}._type" in h]
-        assert len(logged) == EPOCHS + closing
+        assert len(logged) == EPOCHS
         media = Path(next(wandb_run.glob("wandb/offline-run-*"))) / "files" / logged[-1][f"{tag}.filenames"][0]
         assert media.is_file()
     summary = json.loads(wandb_inspect(wandb_run, "--summary", "--json"))

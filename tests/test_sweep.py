@@ -24,6 +24,7 @@ from optuna.trial import TrialState, create_trial
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli, wandb_offline_env, wandb_run_record
+from training.callbacks import ModelCheckpoint
 from training.cli.app import cli_main
 from training.sweeps.command import main as sweep_main
 from training.sweeps.command import print_table, remaining, write_best
@@ -412,7 +413,8 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
 
 def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
     """The callback inside a trial process, on a journal file and driven by a stand-in Trainer: each epoch's metric,
-    the pruning flag (cleared first: a retry inherits its predecessor's), and the final metrics; what
+    the pruning flag (cleared first: a retry inherits its predecessor's), and the final metrics (the newest
+    validation's, the best checkpoint's validation's at the fit's end, a closing validation's); what
     tests/sweep_fake_trial.py stands in for."""
     url = f"journal:///{tmp_path / 'sweep.journal'}"
     study = optuna.create_study(study_name="one", storage=open_storage(url), direction="maximize")
@@ -432,9 +434,17 @@ def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
         callback.on_validation_end(trainer, SimpleNamespace(current_epoch=epoch))
         if trainer.should_stop:
             break
-    trainer.state.fn = "validate"  # the final validation of the best checkpoint
+    assert study.trials[0].user_attrs["final_metrics"] == {"val/acc": 0.5, "val/loss": 1.0}  # the newest
+    # The fit's end: the best checkpoint's weights were validated at epoch 0, whose metrics its callback kept.
+    trainer.checkpoint_callback = ModelCheckpoint(monitor="val/acc", mode="max")
+    trainer.checkpoint_callback.best_model_path = "epoch0.ckpt"
+    trainer.checkpoint_callback.validated = {"epoch0.ckpt": {"step": 4, "metrics": {"val/acc": 0.25, "val/loss": 2.0}}}
+    callback.on_fit_end(trainer, None)
+    assert study.trials[0].user_attrs["final_metrics"] == {"val/acc": 0.25, "val/loss": 2.0}
+    trainer.state.fn = "validate"  # a closing validation of the best file, where its validation was not known
+    trainer.callback_metrics = {"val/acc": torch.tensor(0.75)}
     callback.on_validation_end(trainer, None)
     left = study.trials[0]
     assert left.intermediate_values == {0: 0.25, 1: 0.5} and trainer.should_stop
     assert (left.system_attrs[PRUNED_KEY], left.system_attrs[EPOCH_KEY]) == (True, 1)
-    assert left.user_attrs["final_metrics"] == {"val/acc": 0.5, "val/loss": 1.0}
+    assert left.user_attrs["final_metrics"] == {"val/acc": 0.75}

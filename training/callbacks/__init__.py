@@ -1,10 +1,10 @@
 """The callbacks a config names (`trainer.callbacks`), one small module each. The fault guards the CLI adds to every
 run are in training/resume/; docs/DESIGN.md, "Callbacks", lists every callback a run has."""
 
-from training.callbacks.checkpoint import ModelCheckpoint
+from training.callbacks.checkpoint import ModelCheckpoint, StepCheckpoint
 from training.callbacks.figures import ValidationFigures
 from training.callbacks.freezing import FreezeBackbone
 from training.callbacks.predictions import PredictionWriter
 from training.callbacks.run_config import RunConfig
 
-__all__ = ["FreezeBackbone", "ModelCheckpoint", "PredictionWriter", "RunConfig", "ValidationFigures"]
+__all__ = ["FreezeBackbone", "ModelCheckpoint", "PredictionWriter", "RunConfig", "StepCheckpoint", "ValidationFigures"]

@@ -1,4 +1,5 @@
-"""ModelCheckpoint whose last.ckpt is the state at the end of every validation (a hard link where it can be)."""
+"""ModelCheckpoint whose last.ckpt is the state at the end of every validation (a hard link where it can be), and
+StepCheckpoint, the crash-recovery saves every N steps that write nothing where that last.ckpt holds the same step."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
     "last.ckpt"). Linking needs a CheckpointIO with `link_checkpoint` (this module's); else last.ckpt is written."""
 
     validated_step: int | None = None  # the global step of this fit's newest validation, in this process
+    validated: dict[str, dict] | None = None  # a saved file -> {step, metrics} of the validation of its weights
 
     # Lightning saves at the end of the training epoch when validation runs once per epoch (inside that epoch), else
     # at the end of each validation; last.ckpt follows in the same hook when nothing was saved at this step yet.
@@ -29,12 +31,30 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
         super().on_validation_end(trainer, pl_module)
         self._save_last_if_missed(trainer, on_epoch_end=False)
 
-    def best_is_last_validated(self, trainer) -> bool:
-        """Whether the best checkpoint holds the weights in memory at the end of this fit, and the newest validation
-        of the fit was theirs: its metrics are then the best checkpoint's, and validating that file again would
-        only repeat them."""
-        return (bool(self.best_model_path) and self._last_checkpoint_saved == self.best_model_path
-                and self._last_global_step_saved == trainer.global_step == self.validated_step)
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        # Noted before the write, so that the file holds its own entry (state_dict): a resumed fit knows it too.
+        if self.validated_step == trainer.global_step:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                       if getattr(v, "numel", lambda: 1)() == 1}
+            self.validated = {**self._kept(), filepath: {"step": trainer.global_step, "metrics": metrics}}
+        super()._save_checkpoint(trainer, filepath)
+
+    def _kept(self) -> dict[str, dict]:
+        """The entries of the files this callback still keeps: the best k and last.ckpt."""
+        keep = {*self.best_k_models, self.best_model_path, self.last_model_path}
+        return {path: entry for path, entry in (self.validated or {}).items() if path in keep}
+
+    def best_validation(self) -> dict | None:
+        """{step, metrics} of the validation of the best checkpoint's weights, run in this fit or the one it resumed
+        (validating the file again would only repeat them); None where this callback did not see it."""
+        return (self.validated or {}).get(self.best_model_path)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "validated": self._kept()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.validated = state_dict.get("validated")
 
     def _save_last_if_missed(self, trainer, *, on_epoch_end: bool) -> None:
         if (self.save_last is True and not self.skips(trainer)
@@ -70,6 +90,29 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
         if trainer.ckpt_path is not None and path == Path(trainer.ckpt_path).absolute():
             return False
         return Path(self.dirpath).absolute() in path.parents
+
+
+class StepCheckpoint(lightning_callbacks.ModelCheckpoint):
+    """Lightning's ModelCheckpoint for the saves every `every_n_train_steps` that bound what a kill loses, minus the
+    ones that would repeat a checkpoint of the same step: at a step that a validation follows (an epoch's end), where
+    the run's `ModelCheckpoint` (this module's, `save_last: true`) writes last.ckpt at that validation's end, it writes
+    nothing, and its newest file stays. A kill still loses at most N steps: last.ckpt holds that step.
+
+    ExactResume defers a step save at a batch that a validation follows until the validation has ended; the step
+    validated last tells such a deferred save from one at a batch's end.
+    """
+
+    _validated_step: int | None = None  # the global step of this fit's newest validation
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._validated_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._validated_step == trainer.global_step and any(
+                isinstance(c, ModelCheckpoint) and c.save_last is True for c in trainer.checkpoint_callbacks):
+            return  # last.ckpt of this step is written at the end of the validation that just ran
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 def monitor_candidates(trainer) -> dict[str, torch.Tensor]:

@@ -184,8 +184,8 @@ class ImgclsCLI(LightningCLI):
 
     def after_fit(self) -> None:
         """Print the best checkpoint's validation metrics, then say where everything is. The best checkpoint is
-        validated again from its file unless the fit's newest validation was of its weights (ours, not a plain
-        Lightning ModelCheckpoint, knows)."""
+        validated again from its file only where no validation of the fit was of its weights (ours, not a plain
+        Lightning ModelCheckpoint, keeps each saved file's)."""
         trainer = self.trainer
         ckpt = trainer.checkpoint_callback
         if trainer.interrupted or not isinstance(ckpt, ModelCheckpoint):
@@ -202,12 +202,13 @@ class ImgclsCLI(LightningCLI):
                            "hold "
                            "them as their state_dict (the trained weights as current_model_state)")
         if trainer.strategy.broadcast(bool(best) and Path(best).exists()):  # a file, or a sharded folder
-            if isinstance(ckpt, ImgclsCheckpoint) and trainer.strategy.broadcast(ckpt.best_is_last_validated(trainer)):
-                # The newest validation was of the best checkpoint's weights: its metrics are the best's already.
+            seen = ckpt.best_validation() if isinstance(ckpt, ImgclsCheckpoint) else None
+            if trainer.strategy.broadcast(seen is not None):
+                # A validation of the fit was of the best checkpoint's weights: its metrics are the best's already.
                 # On stdout, where Lightning prints the table of a validation.
                 if trainer.is_global_zero:
-                    print(metrics_table(trainer.callback_metrics, f"the best checkpoint (validated at step "
-                                        f"{ckpt.validated_step}, the end of the fit)"), flush=True)
+                    print(metrics_table(seen["metrics"], f"the best checkpoint (validated at step {seen['step']})"),
+                          flush=True)
             else:
                 trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
         rank_zero_info(closing_summary(trainer, best, score, monitor, lasts))

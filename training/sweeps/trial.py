@@ -120,9 +120,9 @@ def trial_callback():
 
     class SweepTrial(PyTorchLightningPruningCallback):
         """Reports each validation epoch's metric to the study (pruning decided by the study's pruner), and the
-        metrics of the best checkpoint as the trial's result: those of the newest validation, replaced by the
-        closing validation of the best checkpoint when the fit runs one (training.cli: not when the newest
-        validation was the best's)."""
+        metrics of the best checkpoint as the trial's result: those of the fit's validation of its weights (kept by
+        training.callbacks.ModelCheckpoint), else those of the closing validation of its file that the CLI then runs,
+        else (no checkpoint) the newest validation's."""
 
         def __init__(self, spec: dict) -> None:
             self.trial, self.trial_id = open_trial(spec)
@@ -135,6 +135,13 @@ def trial_callback():
             if trainer.is_global_zero:  # a retry copies its predecessor's system attributes: start clean
                 for key, value in ((INTERMEDIATE_KEY, {}), (PRUNED_KEY, False)):
                     self.trial.storage.set_trial_system_attr(self.trial_id, key, value)
+
+        def on_fit_end(self, trainer, pl_module) -> None:
+            # training.callbacks.ModelCheckpoint's (not imported: sweeps sit beside callbacks, not above them)
+            best_validation = getattr(trainer.checkpoint_callback, "best_validation", None)
+            seen = best_validation() if best_validation is not None else None
+            if trainer.is_global_zero and seen is not None:
+                self.trial.set_user_attr("final_metrics", seen["metrics"])
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if trainer.state.fn == "fit":
