@@ -53,7 +53,7 @@ def resume_config(devices: int = 1, every_n_train_steps: int = 2) -> dict:
     return cfg
 
 
-# The backbone of the shrunk runs: torchvision's smallest classifier with BatchNorm (0.34M parameters, resnet18 has
+# The backbone of the shrunk runs: torchvision's smallest classifier with BatchNorm (0.37M parameters, resnet18 has
 # 11M), under the default head with its dropout: BatchNorm statistics and dropout draws to resume, at a fraction of
 # resnet18's step and checkpoint.
 TINY_ARCH = "shufflenet_v2_x0_5"

@@ -37,6 +37,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import socket
 import struct
 import subprocess
@@ -93,7 +94,8 @@ def serve() -> None:
                 ranks += 1
         if requests in ready:
             chunk = os.read(requests, 1 << 16)
-            if not chunk:
+            if not chunk:  # the test process ended: the socket and the launcher go with the server
+                shutil.rmtree(folder, ignore_errors=True)
                 return
             buffered += chunk
             *lines, buffered = buffered.split(b"\n")
