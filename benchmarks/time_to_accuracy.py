@@ -195,9 +195,10 @@ def main(quick: bool = False) -> dict:
     processes: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
         # Untimed: the first process after a while reads torch's libraries from disk, and the first fit writes the
-        # data's scan cache; neither should fall on whichever side happens to run first.
-        run_plain(data, Path(tmp) / "warm-plain", True, seeds[0])
-        run_imgcls(data, Path(tmp) / "warm-imgcls", True, seeds[0])
+        # data's scan cache; neither should fall on whichever side happens to run first (quick: nothing is compared).
+        if not quick:
+            run_plain(data, Path(tmp) / "warm-plain", True, seeds[0])
+            run_imgcls(data, Path(tmp) / "warm-imgcls", True, seeds[0])
         for i, seed in enumerate(seeds):  # interleaved, so that a slow spell of the machine hits every side
             names = [PLAIN, IMGCLS] if i % 2 == 0 else [IMGCLS, PLAIN]  # neither side always goes first
             for k, name in enumerate(names + ([ONE_WORKER, EVERY_FIGURE, LEAN] if i == 0 else [])):

@@ -149,6 +149,19 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def start_cli(*args: str, log: Path, env: dict[str, str] | None = None) -> preloaded.Command | subprocess.Popen:
+    """`imgcls ARGS...` started as run_cli starts it, in a session of its own, its stdout and stderr into `log`; the
+    caller polls or waits for it, or kills its session (os.killpg(proc.pid, ...))."""
+    env = env or cli_env()
+    log.write_text("")  # there from the start, also where the forked process opens it a moment later
+    proc = preloaded.command(list(args), ROOT, env, ROOT, cli_env(), log=log) if sys.executable == _EXECUTABLE else None
+    if proc is None:
+        with open(log, "w") as sink:
+            proc = subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=ROOT, env=env, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    return proc
+
+
 def fit_run(config: Path, run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     """`imgcls fit --config CONFIG` into the run directory `run`, with a fresh port for every run (only DDP uses it:
     a killed run's port can stay busy for a while)."""

@@ -10,8 +10,8 @@ worker) for each command. The forked process is what `python -m training.cli ARG
   stdout and stderr (files, read back by the test), and its exit status, a signal's as -N;
 - `sys.argv` and `__main__` as under `python -m training.cli`, so that Lightning's launcher starts the other DDP
   ranks with the same command; the `sys.executable` of that command is LAUNCHER, which has the server fork each
-  rank as well (with the launcher's stdin, stdout, stderr and environment), stands in for it (its exit status,
-  the signals sent to it) and takes it along when it dies;
+  rank, and each trial of `imgcls sweep`, as well (with the launcher's stdin, stdout, stderr and environment), stands
+  in for it (its exit status, the signals sent to it) and takes it along when it dies;
 - the imports done with the collector off and then frozen, as training/cli/startup.py does them;
 - the random generators reseeded from the OS, as a fresh interpreter's are (a fork would share the server's);
 - it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
@@ -50,6 +50,9 @@ from pathlib import Path
 THREADS = "1"
 # Where lightning.fabric.utilities.rank_zero looks for the process's rank on import, in its order.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+# The `python -m MODULE` processes a command starts that the server forks too: DDP ranks, and sweep trials (which
+# start DDP ranks of their own with `-m training.sweeps.trial`); each module's entry once its imports are done.
+ENTRIES = {"training.cli": "training.cli.app:main", "training.sweeps.trial": "training.sweeps.trial:main"}
 
 
 def serve() -> None:
@@ -140,19 +143,20 @@ def _send(sock: socket.socket, message: dict) -> None:
 
 
 # What Lightning's launcher runs for each other DDP rank: `sys.executable -m training.cli ARGS` with the rank's
-# environment. In a forked command sys.executable is this small script, which asks the server to fork the rank, as it
-# forked the command, and stands in for it: the rank's exit status (a signal's as the same signal) and the signals
-# it gets go through it. Anything else it is asked to run (a compile worker, a spawned loader), and a rank whose
-# environment the server's imports do not match, gets the real interpreter by exec.
+# environment (and `imgcls sweep` for each trial: `sys.executable -m training.sweeps.trial ARGS`). In a forked command
+# sys.executable is this small script, which asks the server to fork the process, as it forked the command, and stands
+# in for it: its exit status (a signal's as the same signal) and the signals it gets go through it. Anything else it
+# is asked to run (a compile worker, a spawned loader), and a process whose environment the server's imports do not
+# match, gets the real interpreter by exec.
 LAUNCHER = """#!{python} -S
 import json, os, signal, socket, struct, sys
 args = sys.argv[1:]
-if (args[:2] != ["-m", "training.cli"] or os.environ.get("OMP_NUM_THREADS") != {threads!r}
+if (args[:1] != ["-m"] or args[1:2] not in {modules!r} or os.environ.get("OMP_NUM_THREADS") != {threads!r}
         or os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS") == "1"):
     os.execv({python!r}, [{python!r}, *args])
 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 server.connect({socket!r})
-body = json.dumps({{"args": args[2:], "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+body = json.dumps({{"module": args[1], "args": args[2:], "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
 socket.send_fds(server, [struct.pack("!Q", len(body))], [0, 1, 2])
 server.sendall(body)
 answers = server.makefile("r")
@@ -174,7 +178,8 @@ sys.exit(code)
 
 def _write_launcher(folder: Path) -> Path:
     path = folder / "python"
-    path.write_text(LAUNCHER.format(python=sys.executable, threads=THREADS, socket=str(folder / "ranks.sock")))
+    path.write_text(LAUNCHER.format(python=sys.executable, threads=THREADS, socket=str(folder / "ranks.sock"),
+                                    modules=[[module] for module in ENTRIES]))
     path.chmod(0o755)
     return path
 
@@ -212,10 +217,13 @@ def _fork_rank(launched: socket.socket, launcher: Path, server_fds: tuple[int, .
 
 def _command(request: dict, launcher: Path) -> None:
     """In the forked child: become `python -m training.cli ARGS` in the request's session, folder and environment."""
+    opened: dict[str, int] = {}  # one file open once, where stdout and stderr both go to it
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
+        if path not in opened:
+            opened[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened[path], fd)
+    for opened_fd in opened.values():
+        os.close(opened_fd)
     _become(request, launcher)
 
 
@@ -223,7 +231,6 @@ def _become(request: dict, launcher: Path) -> None:
     import numpy as np
     from lightning_utilities.core.rank_zero import rank_zero_only
 
-    import training.cli.app
 
     os.setsid()
     os.chdir(request["cwd"])
@@ -234,11 +241,13 @@ def _become(request: dict, launcher: Path) -> None:
     # rank_zero_only.rank before use"): a forked rank reads its own, from the variables Lightning's import reads.
     rank = next((os.environ[key] for key in RANK_VARIABLES if key in os.environ), "0")
     rank_zero_only.rank = int(rank)
-    sys.argv = [str(Path(training.cli.__file__).with_name("__main__.py")), *request["args"]]
-    sys.modules["__main__"] = training.cli  # Lightning's launcher reads __main__.__spec__ for the ranks' command
-    sys.executable = str(launcher)  # ...and sys.executable: the other ranks are forked by the server too
+    main = importlib.import_module(request.get("module", "training.cli"))  # what `python -m` ran
+    script = Path(main.__file__)
+    sys.argv = [str(script.with_name("__main__.py") if script.name == "__init__.py" else script), *request["args"]]
+    sys.modules["__main__"] = main  # Lightning's launcher reads __main__.__spec__ for the ranks' command
+    sys.executable = str(launcher)  # ...and sys.executable: the other ranks (and trials) are forked by the server too
     # another entry: tests/test_preloaded.py
-    module, _, function = request.get("entry", "training.cli.app:main").partition(":")
+    module, _, function = request.get("entry", ENTRIES[main.__name__]).partition(":")
     getattr(importlib.import_module(module), function)()
     raise SystemExit(0)
 
@@ -269,12 +278,14 @@ class Server:
 
 
 class Command:
-    """A command forked by the server, used as run_cli uses a subprocess.Popen: pid, communicate(timeout)."""
+    """A command forked by the server, used as a subprocess.Popen is: pid, poll(), wait(timeout), communicate(timeout).
+    Its stdout and stderr go to files of its own, or both to `log`, which the caller keeps."""
 
-    def __init__(self, server: Server, args: list[str], cwd: Path, env: dict[str, str], entry: str) -> None:
+    def __init__(self, server: Server, args: list[str], cwd: Path, env: dict[str, str], entry: str,
+                 log: Path | None = None) -> None:
         self.server = server
-        self.folder = Path(tempfile.mkdtemp(prefix="imgcls-cmd-"))
-        self.out, self.err = self.folder / "stdout", self.folder / "stderr"
+        self.folder = None if log else Path(tempfile.mkdtemp(prefix="imgcls-cmd-"))
+        self.out, self.err = (log, log) if log else (self.folder / "stdout", self.folder / "stderr")
         self.returncode: int | None = None
         self.ranks: int | None = None  # the DDP ranks its launcher had the server fork
         try:
@@ -287,13 +298,20 @@ class Command:
             server.lock.release()
             raise
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+    def poll(self) -> int | None:
         if self.returncode is None:
-            reply = self.server.reply(timeout)
-            if reply is None:
-                raise subprocess.TimeoutExpired(["imgcls"], timeout)
-            self.returncode, self.ranks = reply["returncode"], reply["ranks"]
-            self.server.lock.release()
+            self._ended(self.server.reply(0))
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._ended(self.server.reply(timeout)):
+            raise subprocess.TimeoutExpired(["imgcls"], timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        if self.folder is None:  # the caller's log holds both
+            return self.out.read_text(errors="replace"), ""
         try:
             return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
         finally:
@@ -301,12 +319,18 @@ class Command:
                 path.unlink(missing_ok=True)
             self.folder.rmdir()
 
+    def _ended(self, reply: dict | None) -> bool:
+        if reply is not None:
+            self.returncode, self.ranks = reply["returncode"], reply["ranks"]
+            self.server.lock.release()
+        return reply is not None
+
 
 _SERVER: Server | None = None
 
 
 def command(args: list[str], cwd: Path, env: dict[str, str], root: Path, server_env: dict[str, str],
-            entry: str = "training.cli.app:main") -> Command | None:
+            entry: str = "training.cli.app:main", log: Path | None = None) -> Command | None:
     """`args` run by this process's server, started on first use; None where a fresh interpreter must run them."""
     global _SERVER
     if "1" in (os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS"), env.get("IMGCLS_TEST_FRESH_INTERPRETERS")) \
@@ -321,7 +345,7 @@ def command(args: list[str], cwd: Path, env: dict[str, str], root: Path, server_
     if not _SERVER.lock.acquire(blocking=False):
         raise RuntimeError("a second imgcls command while one runs: the preloaded server runs one at a time; give "
                            "the concurrent one IMGCLS_TEST_FRESH_INTERPRETERS=1 in its env")
-    return Command(_SERVER, args, cwd, env, entry)
+    return Command(_SERVER, args, cwd, env, entry, log)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,22 @@ def rank_of_its_own() -> None:
     subprocess.Popen([sys.executable, "-m", "training.cli", *sys.argv[1:]], env=env).wait()
 
 
+def trial_of_its_own() -> None:
+    """A command's entry point: starts a sweep trial as `imgcls sweep` does (`sys.executable -m training.sweeps.trial
+    fit ...`), here without the sweep's $IMGCLS_SWEEP_TRIAL, and exits with its status."""
+    env = {k: v for k, v in os.environ.items() if k != "IMGCLS_SWEEP_TRIAL"}
+    sys.exit(subprocess.call([sys.executable, "-m", "training.sweeps.trial", "fit", "--print_config"], env=env))
+
+
+def test_a_sweep_trial_is_forked_by_the_server_and_runs_its_modules_main(tmp_path):
+    command = preloaded.command(["sweep"], tmp_path, cli_env(), ROOT, cli_env(),
+                                entry="tests.test_preloaded:trial_of_its_own")
+    _, err = command.communicate(timeout=60)
+    assert command.ranks == 1  # forked by the server, not started as a fresh interpreter
+    # training.sweeps.trial's main ran: it reads the sweep's spec before anything else
+    assert command.returncode == 1 and "KeyError: 'IMGCLS_SWEEP_TRIAL'" in err, err[-2000:]
+
+
 def _children_of(parent: int) -> list[int]:
     found = []
     for proc in Path("/proc").glob("[0-9]*"):

@@ -7,8 +7,6 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +21,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, run_cli, wandb_offline_env, wandb_run_record
+from tests.helpers import CONFIGS, ROOT, TINY, run_cli, start_cli, wandb_offline_env, wandb_run_record
 from training.callbacks import ModelCheckpoint
 from training.cli.app import cli_main
 from training.sweeps.command import main as sweep_main
@@ -238,13 +236,11 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     out = tmp_path / "sweep"
     db = out / "sweep.db"
     log = tmp_path / "first_run.log"
-    cmd = [sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(out)]
+    args = ["sweep", "--config", str(path), "--out", str(out)]
 
     # 1. Start the grid sweep and kill it (the whole process group, as Ctrl-C or a job scheduler would) once
     #    the first trial has finished and the second one is running.
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = start_cli(*args, log=log)
     try:
         deadline, study = time.monotonic() + 400, None
         while time.monotonic() < deadline:
@@ -267,8 +263,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     assert len(first) == 1
 
     # 2. The same command again: the interrupted trial is retried, the finished one is kept.
-    resumed = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = run_cli(*args)
     trials = _trials(db, "grid3")
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     points = {(t.params[LR], t.params[WD]) for t in done}
@@ -299,10 +294,7 @@ def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_
                        command=sweep_command(digits_root, CONFIGS / "loggers" / "wandb.yaml"))
     out = tmp_path / "sweep"
     env = wandb_offline_env()
-    proc = subprocess.run([sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(out),
-                           "--workers", "2", "--seed", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_cli("sweep", "--config", str(path), "--out", str(out), "--workers", "2", "--seed", "0", env=env)
     trials = _trials(out / "sweep.db", "random2")
     assert len(trials) == 2 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials), \
         proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -316,7 +308,7 @@ def _fake_trials(monkeypatch, prune: str = "") -> None:
     """Trials run by tests/sweep_fake_trial.py (no training) and a sweep file taken as parsed."""
     # `imgcls fit --print_config` takes seconds
     monkeypatch.setattr("training.sweeps.command.check_keys", lambda sweep: None)
-    monkeypatch.setattr("training.sweeps.trial.TRIAL_COMMAND", [sys.executable, "-m", "tests.sweep_fake_trial"])
+    monkeypatch.setattr("training.sweeps.trial.TRIAL_MODULE", "tests.sweep_fake_trial")
     monkeypatch.setenv("FAKE_TRIAL_PRUNE", prune)
 
 

@@ -22,7 +22,7 @@ from training.sweeps.space import Sweep, make_pruner, suggest, trial_args
 
 STORAGE_ENV_VAR = "IMGCLS_SWEEP_STORAGE"  # the storage URL for `imgcls sweep` and its dashboard, password kept off argv
 TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial number, metric, pruner
-TRIAL_COMMAND = [sys.executable, "-m", "training.sweeps.trial"]  # the trial process, before `fit <arguments>`
+TRIAL_MODULE = "training.sweeps.trial"  # the trial process: `<sys.executable> -m TRIAL_MODULE fit <arguments>`
 # optuna-integration's private protocol for a trainer in another process: where it leaves each epoch's metric and its
 # pruning decision (tests/test_internals.py holds these to the integration's own names).
 INTERMEDIATE_KEY, PRUNED_KEY, EPOCH_KEY = "ddp_pl:intermediate_value", "ddp_pl:pruned", "ddp_pl:epoch"
@@ -78,7 +78,9 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
     with open(run_dir / "fit.log", "w") as log:
         log.write(f"imgcls fit {' '.join(args)}\n")
         log.flush()
-        code = subprocess.call([*TRIAL_COMMAND, "fit", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+        # sys.executable read at each start, as Lightning's launcher reads it for each DDP rank
+        code = subprocess.call([sys.executable, "-m", TRIAL_MODULE, "fit", *args], env=env, stdout=log,
+                               stderr=subprocess.STDOUT,
                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     if code != 0:
         raise TrialFailed(f"trial {trial.number} exited with {code}; see {run_dir / 'fit.log'}")
