@@ -17,14 +17,16 @@ worker) for each command. The forked process is what `python -m training.cli ARG
 - it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
 
 What differs: the imports ran once, in an environment the test's may not match where the libraries read it at
-import time. Two things are read that way here. The thread count (OpenMP's, OMP_NUM_THREADS): a command or rank whose
-environment asks for another one gets a fresh interpreter, as every command does when IMGCLS_TEST_FRESH_INTERPRETERS=1
-(the real start, for a suspicious difference), and tests/test_preloaded.py checks that both give the same run. And
-the rank of the process (Lightning's rank_zero_only), which a forked process sets from its own environment.
+import time. Two things are read that way here. The thread count and kernels (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY,
+ONEDNN_MAX_CPU_ISA): a command or rank whose environment asks for others than the server's gets a fresh interpreter,
+as every command does when IMGCLS_TEST_FRESH_INTERPRETERS=1 (the real start, for a suspicious difference), and
+tests/test_preloaded.py checks that both give the same run. And the rank of the process (Lightning's rank_zero_only),
+which a forked process sets from its own environment.
 
-Which of the two runs a command is decided by the test's own inputs alone (the switch, the command's thread count,
+Which of the two runs a command is decided by the test's own inputs alone (the switch, the command's environment,
 a stand-in interpreter): never by timing. A server that died, or a second command while one runs (one per server),
-fails the test loudly instead of falling back to the other model.
+fails the test loudly instead of falling back to the other model. A test that starts several `imgcls` processes at
+once runs them with `launcher()` as their interpreter: each is forked as a DDP rank is.
 
     python -m tests.preloaded     # the server: JSON requests on stdin, a JSON reply per line on stdout; the ranks'
                                   # launchers on a Unix socket
@@ -32,27 +34,34 @@ fails the test loudly instead of falling back to the other model.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib
+import importlib.util
 import json
 import os
 import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import types
 from pathlib import Path
 
 # The thread count OpenMP took when the server imported torch; a command's environment must agree.
 THREADS = "1"
+# What torch reads from the environment when it is imported: a process that asks for other values is not forked.
+IMPORTED = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 # Where lightning.fabric.utilities.rank_zero looks for the process's rank on import, in its order.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 # The `python -m MODULE` processes a command starts that the server forks too: DDP ranks, and sweep trials (which
 # start DDP ranks of their own with `-m training.sweeps.trial`); each module's entry once its imports are done.
-ENTRIES = {"training.cli": "training.cli.app:main", "training.sweeps.trial": "training.sweeps.trial:main"}
+ENTRIES = {"training.cli.__main__": "training.cli.app:main", "training.sweeps.trial": "training.sweeps.trial:main"}
+MODULES = ("training.cli", *ENTRIES)  # `-m training.cli` (a user, a test), `-m training.cli.__main__` (Lightning)
 
 
 def serve() -> None:
@@ -74,14 +83,25 @@ def serve() -> None:
     listener.bind(str(folder / "ranks.sock"))
     listener.listen()
     launcher = _write_launcher(folder)
+    replies.write(json.dumps({"launcher": str(launcher)}) + "\n")
+    replies.flush()
     children: dict[int, socket.socket | None] = {}  # a forked process -> the launcher waiting for it (None: a command)
     ended: dict[int, int] = {}  # a command's exit status, until the test asks for it
     awaited: set[int] = set()
     ranks = 0  # forked for the command that runs (one at a time): told with its exit status
     buffered = b""
+    killed: set[int] = set()  # forked processes whose launcher died, killed with their process group
     while True:
-        ready, _, _ = select.select([requests, listener], [], [], 0.05 if children else None)
+        launchers = {c: pid for pid, c in children.items() if c is not None and pid not in killed}
+        ready, _, _ = select.select([requests, listener, *launchers], [], [], 0.05 if children else None)
+        for pid in (launchers[c] for c in ready if c in launchers):
+            # The launcher sends nothing after its request: its end closed, it was killed. Its process goes, and the
+            # processes that one started (a server's workers), as a kill of the launcher's group takes a fresh one's.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            killed.add(pid)
         for pid, code in _reap(children):  # (a SIGCHLD would interrupt the select: polling keeps it simple)
+            killed.discard(pid)
             launched = children.pop(pid)
             if launched is not None:
                 _send(launched, {"returncode": code})
@@ -151,7 +171,7 @@ def _send(sock: socket.socket, message: dict) -> None:
 LAUNCHER = """#!{python} -S
 import json, os, signal, socket, struct, sys
 args = sys.argv[1:]
-if (args[:1] != ["-m"] or args[1:2] not in {modules!r} or os.environ.get("OMP_NUM_THREADS") != {threads!r}
+if (args[:1] != ["-m"] or args[1:2] not in {modules!r} or {{k: os.environ.get(k) for k in {imported!r}}} != {imported!r}
         or os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS") == "1"):
     os.execv({python!r}, [{python!r}, *args])
 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -178,8 +198,8 @@ sys.exit(code)
 
 def _write_launcher(folder: Path) -> Path:
     path = folder / "python"
-    path.write_text(LAUNCHER.format(python=sys.executable, threads=THREADS, socket=str(folder / "ranks.sock"),
-                                    modules=[[module] for module in ENTRIES]))
+    path.write_text(LAUNCHER.format(python=sys.executable, imported=_imported(os.environ),
+                                    socket=str(folder / "ranks.sock"), modules=[[module] for module in MODULES]))
     path.chmod(0o755)
     return path
 
@@ -241,13 +261,18 @@ def _become(request: dict, launcher: Path) -> None:
     # rank_zero_only.rank before use"): a forked rank reads its own, from the variables Lightning's import reads.
     rank = next((os.environ[key] for key in RANK_VARIABLES if key in os.environ), "0")
     rank_zero_only.rank = int(rank)
-    main = importlib.import_module(request.get("module", "training.cli"))  # what `python -m` ran
-    script = Path(main.__file__)
-    sys.argv = [str(script.with_name("__main__.py") if script.name == "__init__.py" else script), *request["args"]]
-    sys.modules["__main__"] = main  # Lightning's launcher reads __main__.__spec__ for the ranks' command
+    # __main__ as `python -m MODULE` leaves it (runpy): the spec of the module it ran, a package's __main__, which
+    # Lightning's launcher reads for the ranks' command and a spawned process (a server's workers) for what to import.
+    spec = importlib.util.find_spec(request.get("module", "training.cli"))
+    if spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(f"{spec.name}.__main__")
+    main = types.ModuleType("__main__")
+    main.__spec__, main.__file__, main.__loader__, main.__package__ = spec, spec.origin, spec.loader, spec.parent
+    sys.argv = [spec.origin, *request["args"]]
+    sys.modules["__main__"] = main
     sys.executable = str(launcher)  # ...and sys.executable: the other ranks (and trials) are forked by the server too
     # another entry: tests/test_preloaded.py
-    module, _, function = request.get("entry", ENTRIES[main.__name__]).partition(":")
+    module, _, function = request.get("entry", ENTRIES[spec.name]).partition(":")
     getattr(importlib.import_module(module), function)()
     raise SystemExit(0)
 
@@ -260,6 +285,7 @@ class Server:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.lock = threading.Lock()
+        self.launcher = Path(self.reply()["launcher"])  # told once its imports are done
 
     def ask(self, request: dict, timeout: float | None = None) -> dict | None:
         """Send one request; its reply, or None when none came within `timeout` (the reply is then still due)."""
@@ -329,23 +355,42 @@ class Command:
 _SERVER: Server | None = None
 
 
-def command(args: list[str], cwd: Path, env: dict[str, str], root: Path, server_env: dict[str, str],
-            entry: str = "training.cli.app:main", log: Path | None = None) -> Command | None:
-    """`args` run by this process's server, started on first use; None where a fresh interpreter must run them."""
+def _imported(env) -> dict[str, str | None]:
+    return {key: env.get(key) for key in IMPORTED}
+
+
+def _server(root: Path, server_env: dict[str, str]) -> Server:
+    """This process's server, started on first use."""
     global _SERVER
-    if "1" in (os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS"), env.get("IMGCLS_TEST_FRESH_INTERPRETERS")) \
-            or env.get("OMP_NUM_THREADS") != THREADS:
-        return None
     if _SERVER is None:
         _SERVER = Server(root, {**server_env, "OMP_NUM_THREADS": THREADS})
     elif _SERVER.proc.poll() is not None:
         raise RuntimeError(f"the preloaded imgcls server of this test process exited ({_SERVER.proc.returncode}); "
                            "its output is above (IMGCLS_TEST_FRESH_INTERPRETERS=1 runs every command without it)")
+    return _SERVER
+
+
+def launcher(root: Path, server_env: dict[str, str]) -> Path | None:
+    """An interpreter for a test's own processes, several at once if need be: `LAUNCHER -m training.cli ARGS` is forked
+    by this process's server (as a DDP rank is), anything else runs in the real interpreter; None where every process
+    must start a fresh interpreter (IMGCLS_TEST_FRESH_INTERPRETERS=1)."""
+    if os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS") == "1":
+        return None
+    return _server(root, server_env).launcher
+
+
+def command(args: list[str], cwd: Path, env: dict[str, str], root: Path, server_env: dict[str, str],
+            entry: str = "training.cli.app:main", log: Path | None = None) -> Command | None:
+    """`args` run by this process's server, started on first use; None where a fresh interpreter must run them."""
+    if "1" in (os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS"), env.get("IMGCLS_TEST_FRESH_INTERPRETERS")) \
+            or _imported(env) != _imported({**server_env, "OMP_NUM_THREADS": THREADS}):
+        return None
+    server = _server(root, server_env)
     # One command at a time per server, whose replies come in order.
-    if not _SERVER.lock.acquire(blocking=False):
-        raise RuntimeError("a second imgcls command while one runs: the preloaded server runs one at a time; give "
-                           "the concurrent one IMGCLS_TEST_FRESH_INTERPRETERS=1 in its env")
-    return Command(_SERVER, args, cwd, env, entry, log)
+    if not server.lock.acquire(blocking=False):
+        raise RuntimeError("a second imgcls command while one runs: the preloaded server runs one at a time; run "
+                           "concurrent ones with launcher() as their interpreter")
+    return Command(server, args, cwd, env, entry, log)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import pytest
 from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
+from tests import preloaded
+from tests.helpers import ROOT, cli_env
 from tests.postgres import server_bin
 
 
@@ -38,7 +40,12 @@ def _committed() -> dict:
 
 
 @pytest.mark.slow  # every benchmark but the GPU check's (the next test), shrunk: ~1.5 min on 2 cores
-def test_quick_run_writes_every_section_with_its_table(tmp_path):
+def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
+    # The sections' `python -m training.cli` processes (fits, servers, sweep workers and their trials) are forked by
+    # the preloaded server (tests/preloaded.py): its launcher is their interpreter; anything else runs the real one.
+    python = preloaded.launcher(ROOT, cli_env())
+    if python is not None:
+        monkeypatch.setattr(sys, "executable", str(python))
     committed = _committed()
     sections = tuple(name for name in figures.SECTIONS if name not in gpu_check.SECTIONS)
     out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md", only=sections)  # raises if a section failed

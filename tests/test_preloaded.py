@@ -51,7 +51,9 @@ def test_a_forked_command_is_its_own_process_as_python_m_would_start_it(tmp_path
     assert first["cwd"] == str(tmp_path) and second["cwd"] == str(ROOT)
     assert first["argv"][1:] == ["fit", "--x"]
     assert first["argv"][0].endswith(str(Path("training", "cli", "__main__.py")))
-    assert first["main"] == "training.cli"  # Lightning's launcher starts the other ranks with `-m training.cli`
+    # runpy's __main__ of `-m training.cli`: Lightning's launcher starts the other ranks with its name, and a spawned
+    # process (a server's workers) does not run it again
+    assert first["main"] == "training.cli.__main__"
     assert (first["marker"], second["marker"]) == ("one", "two")
     # Python's and NumPy's generators reseeded, as a fresh interpreter's are, not left in the server's state
     assert all(a != b for a, b in zip(first["random"], second["random"], strict=True))
