@@ -149,6 +149,13 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def concurrent_python() -> str:
+    """The interpreter for `imgcls` processes a test runs several at once (`[it, "-m", "training.cli", ...]`): the
+    preloaded server's launcher, which has each forked as run_cli's commands are, or the real one where it can't."""
+    launcher = preloaded.launcher(ROOT, cli_env()) if sys.executable == _EXECUTABLE else None
+    return str(launcher or sys.executable)
+
+
 def start_cli(*args: str, log: Path, env: dict[str, str] | None = None) -> preloaded.Command | subprocess.Popen:
     """`imgcls ARGS...` started as run_cli starts it, in a session of its own, its stdout and stderr into `log`; the
     caller polls or waits for it, or kills its session (os.killpg(proc.pid, ...))."""

@@ -15,8 +15,7 @@ import pytest
 from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
-from tests import preloaded
-from tests.helpers import ROOT, cli_env
+from tests.helpers import concurrent_python
 from tests.postgres import server_bin
 
 
@@ -43,9 +42,7 @@ def _committed() -> dict:
 def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
     # The sections' `python -m training.cli` processes (fits, servers, sweep workers and their trials) are forked by
     # the preloaded server (tests/preloaded.py): its launcher is their interpreter; anything else runs the real one.
-    python = preloaded.launcher(ROOT, cli_env())
-    if python is not None:
-        monkeypatch.setattr(sys, "executable", str(python))
+    monkeypatch.setattr(sys, "executable", concurrent_python())
     committed = _committed()
     sections = tuple(name for name in figures.SECTIONS if name not in gpu_check.SECTIONS)
     out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md", only=sections)  # raises if a section failed

@@ -19,6 +19,7 @@ from tests.helpers import (
     ROOT,
     TINY_ARCH,
     cli_env,
+    concurrent_python,
     free_port,
     kill_args,
     make_image_folder,
@@ -244,7 +245,8 @@ def test_ddp_rank_lost_mid_step_peer_exits_within_timeout(tmp_path, data, sig, e
             "--trainer.strategy.timeout_s", str(timeout_s), *kill_args(3, "train_start", rank=1),
             f"--trainer.callbacks.sig={int(sig)}", "--trainer.callbacks.stamp", str(stamp)]
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=ROOT,
+    python = concurrent_python()
+    procs = [subprocess.Popen([python, "-m", "training.cli", *args], cwd=ROOT,
                               env=cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for node in (0, 1)]
