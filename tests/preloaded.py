@@ -162,7 +162,7 @@ def _send(sock: socket.socket, message: dict) -> None:
         pass
 
 
-# What Lightning's launcher runs for each other DDP rank: `sys.executable -m training.cli ARGS` with the rank's
+# What Lightning's launcher runs for each other DDP rank: `sys.executable -m training.cli.__main__ ARGS` with the rank's
 # environment (and `imgcls sweep` for each trial: `sys.executable -m training.sweeps.trial ARGS`). In a forked command
 # sys.executable is this small script, which asks the server to fork the process, as it forked the command, and stands
 # in for it: its exit status (a signal's as the same signal) and the signals it gets go through it. Anything else it
@@ -251,7 +251,6 @@ def _become(request: dict, launcher: Path) -> None:
     import numpy as np
     from lightning_utilities.core.rank_zero import rank_zero_only
 
-
     os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -313,7 +312,7 @@ class Command:
         self.folder = None if log else Path(tempfile.mkdtemp(prefix="imgcls-cmd-"))
         self.out, self.err = (log, log) if log else (self.folder / "stdout", self.folder / "stderr")
         self.returncode: int | None = None
-        self.ranks: int | None = None  # the DDP ranks its launcher had the server fork
+        self.ranks: int | None = None  # the processes (DDP ranks, sweep trials) its launchers had the server fork
         try:
             reply = server.ask({"op": "run", "entry": entry, "args": args, "cwd": str(cwd), "env": env,
                                 "stdout": str(self.out), "stderr": str(self.err)})
