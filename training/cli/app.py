@@ -94,8 +94,6 @@ class _ConfigDumper(yaml.SafeDumper):
 
 _ConfigDumper.add_multi_representer(int, lambda dumper, value: dumper.represent_int(int(value)))
 _ConfigDumper.add_multi_representer(float, lambda dumper, value: dumper.represent_float(float(value)))
-# `--help` shows each settings field's one-line docstring (model.recipe, model.levers: litgpt-style dataclasses).
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
 set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_flow_style=False, allow_unicode=True,
                                           sort_keys=False))
 
@@ -234,8 +232,19 @@ def explicit_values(parser: LightningArgumentParser, args):
         parser.exit_on_error = exit_on_error
 
 
+def asks_for_help(args: list[str]) -> bool:
+    """Whether a command line prints help text: `--help`, `-h`, `--KEY.help CLASS` or `--print_config=comments`."""
+    return any(arg in ("-h", "--help") or arg.endswith(".help") or
+               (arg.startswith("--print_config") and "comments" in (arg.partition("=")[2] or follows).split(","))
+               for arg, follows in zip(args, [*args[1:], ""], strict=True))
+
+
 def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
     """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
+    # Help shows each settings field's one-line docstring (model.recipe, model.levers: litgpt-style dataclasses),
+    # which jsonargparse finds by parsing the source of every class the parser is built from: 2 of the 5 s that a
+    # small fit takes after its imports. Only a command that prints help pays for it.
+    set_parsing_settings(docstring_parse_attribute_docstrings=asks_for_help(sys.argv[1:] if args is None else args))
     epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
     try:
         cli = ImgclsCLI(
