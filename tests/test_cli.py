@@ -116,6 +116,7 @@ def test_help_shows_each_settings_fields_docstring_which_only_help_parses(capsys
                         (["--print_config"], False), (["--print_config", "--config", "comments"], False),
                         (["--config", "comments.yaml"], False)):
         assert asks_for_help(["fit", *args]) == help_, args
+    assert not asks_for_help([])  # `imgcls` alone: its usage line
 
 
 def test_quickstart_fast_dev_run(digits_root, tmp_path):

@@ -217,7 +217,8 @@ class _Parsed(Exception):
 
 @cache
 def parser():
-    """The parser of the `imgcls` command, built by the real ImgclsCLI, which stops where it would parse."""
+    """The parser of the `imgcls` command with its four subcommands (a command line without one builds them all),
+    built by the real ImgclsCLI, which stops where it would parse."""
     from training.cli import app
 
     class ParserOnly(app.ImgclsCLI):
@@ -226,7 +227,7 @@ def parser():
 
     real, app.ImgclsCLI = app.ImgclsCLI, ParserOnly
     try:
-        app.cli_main(["fit"])
+        app.cli_main([])
     except _Parsed as parsed:
         return parsed.args[0]
     finally:
