@@ -118,7 +118,12 @@ class ImgclsCLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
         argv = kwargs.get("args")
         argv = sys.argv[1:] if argv is None else argv
-        self.command = argv[0] if isinstance(argv, list) and argv else None
+        argv = argv if isinstance(argv, list) else []  # a dict or Namespace of values: no command line
+        self.command = argv[0] if argv else None
+        # Help shows each settings field's one-line docstring (model.recipe, model.levers: litgpt-style dataclasses),
+        # which jsonargparse finds by parsing the source of every class the parser is built from: 2 of the 5 s that
+        # a small fit takes after its imports. Only a command that prints help pays for it.
+        set_parsing_settings(docstring_parse_attribute_docstrings=asks_for_help(argv))
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:  # LightningCLI's staticmethod: the subcommands it builds parsers of
@@ -254,11 +259,6 @@ def asks_for_help(args: list[str]) -> bool:
 
 def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
     """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
-    # Help shows each settings field's one-line docstring (model.recipe, model.levers: litgpt-style dataclasses),
-    # which jsonargparse finds by parsing the source of every class the parser is built from: 2 of the 5 s that a
-    # small fit takes after its imports. Only a command that prints help pays for it.
-    argv = sys.argv[1:] if args is None else args
-    set_parsing_settings(docstring_parse_attribute_docstrings=isinstance(argv, list) and asks_for_help(argv))
     epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
     try:
         cli = ImgclsCLI(
