@@ -156,6 +156,14 @@ def concurrent_python() -> str:
     return str(launcher or sys.executable)
 
 
+def torchrun(*options: str, module: str = "training.cli") -> list[str]:
+    """`python -m torch.distributed.run OPTIONS -m MODULE`, to which the caller appends MODULE's arguments. Its workers
+    are forked as DDP ranks are (torchrun's --no-python, with concurrent_python() as the program), or fresh
+    interpreters where they can't be; torchrun itself (the agent) always runs in the real one."""
+    agent, python = [sys.executable, "-m", "torch.distributed.run", *options], concurrent_python()
+    return [*agent, "-m", module] if python == sys.executable else [*agent, "--no-python", python, "-m", module]
+
+
 def start_cli(*args: str, log: Path, env: dict[str, str] | None = None) -> preloaded.Command | subprocess.Popen:
     """`imgcls ARGS...` started as run_cli starts it, in a session of its own, its stdout and stderr into `log`; the
     caller polls or waits for it, or kills its session (os.killpg(proc.pid, ...))."""

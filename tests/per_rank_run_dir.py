@@ -8,8 +8,13 @@ from __future__ import annotations
 import os
 import sys
 
-from training.cli.app import main
+from training.cli.app import main as cli_main
+
+
+def main() -> None:
+    base, *args = sys.argv[1:]
+    cli_main([*args, "--trainer.default_root_dir", os.path.join(base, f"rank{os.environ['RANK']}")])
+
 
 if __name__ == "__main__":
-    base, *args = sys.argv[1:]
-    main([*args, "--trainer.default_root_dir", os.path.join(base, f"rank{os.environ['RANK']}")])
+    main()

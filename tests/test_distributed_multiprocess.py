@@ -36,6 +36,7 @@ from tests.helpers import (
     kill_args,
     make_image_folder,
     run_cli,
+    torchrun,
 )
 from training.distributed.strategy import CompressedDDPStrategy
 
@@ -270,9 +271,9 @@ def test_torchrun_two_nodes_with_elastic_restart_resume(tmp_path, folder):
     ]
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "imgcls-test",
-             "--max-restarts", "3", "--monitor-interval", "1", "-m", "training.cli", *fit],
+            [*torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "imgcls-test", "--max-restarts", "3",
+                       "--monitor-interval", "1"), *fit],
             # A fresh TCPStore per restart round (see docs/DISTRIBUTED.md): with the shared agent store, restarted
             # workers read the dead workers' gloo addresses left from the previous round.
             cwd=ROOT, env=cli_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=subprocess.PIPE,

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -23,7 +22,17 @@ import yaml
 
 import training.resume.checkpoints as checkpointing
 from lightning_modules.network import BackboneWithHead
-from tests.helpers import CONFIGS, ROOT, TINY, cli_env, free_port, make_image_folder, resume_config, run_cli
+from tests.helpers import (
+    CONFIGS,
+    ROOT,
+    TINY,
+    cli_env,
+    free_port,
+    make_image_folder,
+    resume_config,
+    run_cli,
+    torchrun,
+)
 from training.callbacks import ModelCheckpoint
 from training.records.secrets import redact_secrets
 from training.resume.checkpoints import (
@@ -258,8 +267,8 @@ def test_torchrun_ranks_with_different_views_of_the_folder_resume_from_one_check
     shutil.copy2(oldest, tmp_path / "rank1" / "checkpoints" / oldest.name)
     probe = tmp_path / "probe"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "tests.per_rank_run_dir", str(tmp_path), "fit", *common, "--trainer.max_epochs", "3",
+        [*torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), module="tests.per_rank_run_dir"),
+         str(tmp_path), "fit", *common, "--trainer.max_epochs", "3",
          "--trainer.devices", "2", "--trainer.strategy", "training.distributed.strategy.CompressedDDPStrategy",
          "--trainer.strategy.timeout_s", "60", "--trainer.callbacks+=tests.distributed_probe.Probe",
          f"--trainer.callbacks.out_dir={probe}", "--ckpt_path", "last"],

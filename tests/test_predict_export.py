@@ -7,7 +7,6 @@ import csv
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from deploy.export import main as export_main
 from deploy.publish import main as publish_main
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
-from tests.helpers import CONFIGS, FREEZE_FIRST_EPOCH, ROOT, TINY, cli_env, free_port, run_cli
+from tests.helpers import CONFIGS, FREEZE_FIRST_EPOCH, ROOT, TINY, cli_env, free_port, run_cli, torchrun
 
 # resnet18: the pretrained weights are a stand-in for its IMAGENET1K_V1 file in the hub cache
 FIT = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--model.net.arch", "resnet18",
@@ -150,8 +149,8 @@ def test_predict_under_ddp_gathers_the_ranks_without_a_shared_disk(checkpoint, i
     """2 torchrun processes, each with its own run directory (two nodes, no shared disk): the parts travel through
     the process group, and rank 0 writes every image once, in order, none of the sampler's padding."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "tests.per_rank_run_dir", str(tmp_path), "predict", "--ckpt_path", str(checkpoint),
+        [*torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), module="tests.per_rank_run_dir"),
+         str(tmp_path), "predict", "--ckpt_path", str(checkpoint),
          "--data.root", "null", "--data.predict_dir", str(images), "--data.num_workers", "0",
          "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"],
         cwd=ROOT, env=offline_env, capture_output=True, text=True, timeout=300)
