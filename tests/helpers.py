@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from typing import NoReturn
 
 import numpy as np
 import pytest
+import torch.multiprocessing as torch_mp
 import yaml
 from PIL import Image
 
@@ -212,6 +214,18 @@ def killed_and_resumed(config: Path, folder: Path, *, kill_after: int, resumes_f
     diff = max_diff(last_weights(folder / "reference"), last_weights(run))
     print(f"killed after step {kill_after}, resumed from step {resumes_from}: max |w - w_ref| = {diff}")
     return diff
+
+
+# What the forkserver of start_ranks (and of the other tests that fork from one) imports once per test process.
+FORKSERVER_PRELOAD = ["training.cli.app"]
+
+
+def start_ranks(fn, args: tuple, nprocs: int):
+    """torch.multiprocessing.start_processes(fn, args, nprocs, join=False), each process forked from a forkserver that
+    imported torch, Lightning and the project once for this test process (spawned, each would import them again: ~5 s
+    of CPU apiece). A forked rank has the forkserver's environment, not the test's: `fn` sets what it needs."""
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return torch_mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
 
 
 def join_ranks(ranks, timeout_s: float, what: str) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision
 import yaml
@@ -36,6 +35,7 @@ from tests.helpers import (
     kill_args,
     make_image_folder,
     run_cli,
+    start_ranks,
     torchrun,
 )
 from training.distributed.strategy import CompressedDDPStrategy
@@ -182,8 +182,7 @@ def _post_local_sgd_rank(local_rank: int, port: int, out: str) -> None:
 
 def test_post_local_sgd_ranks_drift_apart_between_averagings_and_agree_after_each(tmp_path):
     out = tmp_path / "probe"
-    ranks = mp.start_processes(_post_local_sgd_rank, args=(free_port(), str(out)), nprocs=2, join=False,
-                               start_method="spawn")
+    ranks = start_ranks(_post_local_sgd_rank, (free_port(), str(out)), 2)
     join_ranks(ranks, 120, "the 2 post-local SGD ranks")  # a rank's exception is raised here
     r0, r1 = _records(out, 2)
     assert r0["comm_hook"] == r1["comm_hook"] == "post_localSGD_hook"

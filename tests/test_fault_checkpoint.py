@@ -28,9 +28,11 @@ from tests.helpers import (
     TINY,
     cli_env,
     free_port,
+    join_ranks,
     make_image_folder,
     resume_config,
     run_cli,
+    start_ranks,
     torchrun,
 )
 from training.callbacks import ModelCheckpoint
@@ -234,8 +236,7 @@ def test_every_rank_follows_rank_zeros_resume_choice(tmp_path):
         (tmp_path / f"view{rank}").mkdir()
         for name in names:
             (tmp_path / f"view{rank}" / name).touch()
-    torch.multiprocessing.start_processes(_agreeing_rank, args=(free_port(), str(tmp_path)), nprocs=2,
-                                          start_method="spawn")
+    join_ranks(start_ranks(_agreeing_rank, (free_port(), str(tmp_path)), 2), 120, "the 2 ranks")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     blind = ("error: rank 0 resumes from step0000006.ckpt, which rank(s) 1 cannot read: the checkpoint folder must "
              "be on a disk that every node mounts at the same path")

@@ -10,13 +10,12 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from datamodules import ImageFolderDataModule
 from deploy.export import load_for_export
 from lightning_modules import BackboneWithHead, ImageClassifier, Levers
 from lightning_modules.schedules import WarmupCosine
-from tests.helpers import free_port, join_ranks, make_image_folder
+from tests.helpers import free_port, join_ranks, make_image_folder, start_ranks
 from training.callbacks import FreezeBackbone, ModelCheckpoint
 from training.distributed.fsdp import FSDP2Strategy, consolidate
 from training.distributed.strategy import CompressedDDPStrategy
@@ -171,8 +170,7 @@ def _rank(local_rank: int, port: int, root: str, out: str) -> None:
 def test_fsdp2_on_two_cpu_processes_shards_equals_ddp_and_resumes_exactly(tmp_path):
     root = make_image_folder(tmp_path / "images", {"a": 8, "b": 8}, splits=("train",), size=32)
     out = tmp_path / "out"
-    ranks = mp.start_processes(_rank, args=(free_port(), str(root), str(out)), nprocs=2, join=False,
-                               start_method="spawn")
+    ranks = start_ranks(_rank, (free_port(), str(root), str(out)), 2)
     join_ranks(ranks, 300, "the 2 FSDP ranks")  # a rank's exception is raised here
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))
     print("seconds per fit (rank 0):", r0["seconds"], "largest difference from DDP:", r0["ddp_max_diff"])

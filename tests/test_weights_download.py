@@ -14,7 +14,7 @@ import pytest
 import torch
 import torchvision
 
-from tests.helpers import ROOT
+from tests.helpers import FORKSERVER_PRELOAD, ROOT
 
 
 class _Served(http.server.SimpleHTTPRequestHandler):
@@ -69,7 +69,7 @@ def test_eight_ranks_of_a_node_make_one_request_and_load_identical_weights(serve
     folder, base = server
     served = _weights_file(folder)
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["lightning_modules.network"])
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
     with context.Pool(8) as pool:
         jobs = [(f"{base}/{served.name}", str(tmp_path / "torch"), time.time() + 3.0)] * 8
         digests = pool.map(_rank, jobs)
