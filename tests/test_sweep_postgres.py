@@ -24,7 +24,16 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.helpers import CONFIGS, ROOT, apt_install, free_port, run_cli, service_unavailable, wandb_offline_env
+from tests.helpers import (
+    CONFIGS,
+    ROOT,
+    apt_install,
+    concurrent_python,
+    free_port,
+    run_cli,
+    service_unavailable,
+    wandb_offline_env,
+)
 from tests.postgres import PACKAGES, Unavailable, server_bin, throwaway_server
 from tests.test_sweep import LR, WD, last_scalar, sweep_command, write_sweep
 
@@ -73,13 +82,19 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
     # The URL, password included, reaches the workers as the docs say: through the environment, not the command line.
     env = wandb_offline_env(IMGCLS_SWEEP_STORAGE=url)
     logs = {name: tmp_path / f"worker_{name}.log" for name in roots}
-    workers = {name: _start_worker([sys.executable, "-m", "training.cli", "sweep", "--config", str(path), "--out",
-                                    str(root), "--heartbeat", str(HEARTBEAT), "--grace", str(GRACE)], env, logs[name])
-               for name, root in roots.items()}
+
+    def start(name: str, python: str) -> subprocess.Popen:
+        return _start_worker([python, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(roots[name]),
+                              "--heartbeat", str(HEARTBEAT), "--grace", str(GRACE)], env, logs[name])
+
+    # Worker a is a fresh interpreter: its pid is the one the retry names, and its trials are its children, which
+    # must die with it alone (PR_SET_PDEATHSIG). Worker b, and its trials, are forked by the preloaded server; it
+    # joins once a has finished a trial, and takes the grid's next points while a runs its second.
+    workers = {"a": start("a", sys.executable)}
     study = None
 
     def show() -> str:
-        return "\n".join(f"--- worker {n}:\n{logs[n].read_text()[-3000:]}" for n in logs)
+        return "\n".join(f"--- worker {n}:\n{logs[n].read_text()[-3000:]}" for n in workers)
 
     def trials_of(name: str, *states: TrialState) -> list:
         return [t for t in study.get_trials(deepcopy=False, states=states)
@@ -87,6 +102,8 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
 
     try:
         study = _wait_for("the study", lambda: _load(url), 120, show)
+        _wait_for("worker a's first trial", lambda: trials_of("a", TrialState.COMPLETE), 240, show)
+        workers["b"] = start("b", concurrent_python())
         # Worker a has finished a trial, and the process of its next one has started (it has written to its log)
         # when it is killed; that trial process dies with it.
         running = _wait_for("worker a in its second trial",
