@@ -90,7 +90,7 @@ def check(dry_run: bool, wheels: Path, out: Path | None = None) -> list[str]:
     return failed
 
 
-if __name__ == "__main__":
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on any device, kept under runs/")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the wheels folder (default .whl/)")
@@ -102,3 +102,7 @@ if __name__ == "__main__":
         prepare(args.wheels)
     elif failed := check(args.dry_run, args.wheels, args.out):
         raise SystemExit(f"gpu-check: {', '.join(failed)} failed")
+
+
+if __name__ == "__main__":
+    main()

@@ -59,10 +59,10 @@ IMPORTED = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 # Where lightning.fabric.utilities.rank_zero looks for the process's rank on import, in its order.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 # The `python -m MODULE` processes a command starts that the server forks too: DDP ranks, sweep trials (which
-# start DDP ranks of their own with `-m training.sweeps.trial`), and torchrun's workers (tests.helpers.torchrun);
-# each module's entry once its imports are done.
+# start DDP ranks of their own with `-m training.sweeps.trial`), torchrun's workers (tests.helpers.torchrun), and
+# `make gpu-check --dry-run` (whose imgcls fits are then forked too); each module's entry once its imports are done.
 ENTRIES = {"training.cli.__main__": "training.cli.app:main", "training.sweeps.trial": "training.sweeps.trial:main",
-           "tests.per_rank_run_dir": "tests.per_rank_run_dir:main"}
+           "tests.per_rank_run_dir": "tests.per_rank_run_dir:main", "benchmarks.gpu_check": "benchmarks.gpu_check:main"}
 MODULES = ("training.cli", *ENTRIES)  # `-m training.cli` (a user, a test), `-m training.cli.__main__` (Lightning)
 
 

@@ -15,7 +15,7 @@ import pytest
 from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
-from tests.helpers import concurrent_python
+from tests.helpers import cli_env, concurrent_python
 from tests.postgres import server_bin
 
 
@@ -140,8 +140,10 @@ def test_make_gpu_check_dry_run_runs_every_gpu_section_on_the_cpu(tmp_path):
     """`make gpu-check --dry-run` (make's -n, which the recipe's + runs anyway) is the GPU check a lent machine runs,
     at tiny sizes on this CPU: it is known to start before a GPU's few minutes are spent on it."""
     committed = _committed()
-    proc = subprocess.run(["make", "--dry-run", "gpu-check", f"GPU_PYTHON={sys.executable}"], cwd=figures.ROOT,
-                          env={**os.environ, "GPU_CHECK_OUT": str(tmp_path)}, capture_output=True, text=True)
+    # The check and its imgcls fits forked by the preloaded server (its launcher as their interpreter), as a DDP
+    # rank is; its pytest, a fresh interpreter.
+    proc = subprocess.run(["make", "--dry-run", "gpu-check", f"GPU_PYTHON={concurrent_python()}"], cwd=figures.ROOT,
+                          env=cli_env(GPU_CHECK_OUT=str(tmp_path)), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _committed() == committed, "a dry run rewrote the committed results"
     records = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in gpu_check.SECTIONS}
