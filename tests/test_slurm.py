@@ -30,6 +30,7 @@ from tests.helpers import (
     TINY,
     apt_install,
     cli_env,
+    concurrent_python,
     free_port,
     make_image_folder,
     max_diff,
@@ -118,8 +119,15 @@ class Cluster:
         # No SLURM variables of a job this test may itself run in: sbatch and srun would take them as theirs.
         outer = {k for k in os.environ if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
         self.env = {k: v for k, v in cli_env().items() if k not in outer}
-        self.env.update(SLURM_CONF=str(self.conf),
-                        PATH=os.pathsep.join([str(Path(sys.executable).parent), SBIN_PATH]))
+        bin_ = [str(Path(sys.executable).parent), SBIN_PATH]
+        if (python := concurrent_python()) != sys.executable:
+            # The job's `imgcls` (slurm.sbatch's `srun imgcls fit`) has the preloaded server fork each task, as it
+            # forks a DDP rank (tests/preloaded.py); the task's signals and exit code go through its launcher.
+            (folder / "bin").mkdir()
+            (folder / "bin" / "imgcls").write_text(f'#!/bin/sh\nexec {python} -m training.cli "$@"\n')
+            (folder / "bin" / "imgcls").chmod(0o755)
+            bin_.insert(0, str(folder / "bin"))
+        self.env.update(SLURM_CONF=str(self.conf), PATH=os.pathsep.join(bin_))
 
     def run(self, *args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
         """Run a SLURM command (sbatch, scancel, scontrol) against this cluster; on failure show the daemons' logs."""
