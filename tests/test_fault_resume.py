@@ -237,7 +237,7 @@ def test_ddp_rank_lost_mid_step_peer_exits_within_timeout(tmp_path, data, sig, e
     launcher watches over them: rank 0 must notice the lost peer through the process group alone.
     """
     config = _config(tmp_path, data)
-    timeout_s = 20
+    timeout_s = 12
     stamp = tmp_path / "rank1_lost_at"
     args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "run"),
             "--trainer.num_nodes", "2", "--data.batch_size", "4",
