@@ -244,10 +244,15 @@ def forward_figures(rates: dict[str, float] | None) -> dict[str, str]:
             "forward_batched_x": f"{many / one:.2f}x", "forward_batch": str(bn)}
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m benchmarks.serve`: the section, or one of its helper processes (--plain, --forward)."""
     if len(sys.argv) == 4 and sys.argv[1] == "--plain":
         plain_server(sys.argv[2], int(sys.argv[3]))
     elif len(sys.argv) == 5 and sys.argv[1] == "--forward":
         print(json.dumps(forward_rates(sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]))))
     else:
         standalone("serve", __doc__)
+
+
+if __name__ == "__main__":
+    cli()

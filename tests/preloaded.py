@@ -17,8 +17,8 @@ worker) for each command. The forked process is what `python -m training.cli ARG
 - it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
 
 What differs: the imports ran once, in an environment the test's may not match where the libraries read it at
-import time. Two things are read that way here. The thread count and kernels (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY,
-ONEDNN_MAX_CPU_ISA): a command or rank whose environment asks for others than the server's gets a fresh interpreter,
+import time. Two things are read that way here. The thread count, kernels and OpenMP's wait (IMPORTED below): a
+command or rank whose environment asks for others than the server's gets a fresh interpreter,
 as every command does when IMGCLS_TEST_FRESH_INTERPRETERS=1 (the real start, for a suspicious difference), and
 tests/test_preloaded.py checks that both give the same run. And the rank of the process (Lightning's rank_zero_only),
 which a forked process sets from its own environment.
@@ -54,15 +54,18 @@ from pathlib import Path
 
 # The thread count OpenMP took when the server imported torch; a command's environment must agree.
 THREADS = "1"
-# What torch reads from the environment when it is imported: a process that asks for other values is not forked.
-IMPORTED = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+# What torch (and its OpenMP) reads from the environment when it is imported: a process that asks for other values
+# is not forked.
+IMPORTED = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # Where lightning.fabric.utilities.rank_zero looks for the process's rank on import, in its order.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 # The `python -m MODULE` processes a command starts that the server forks too: DDP ranks, sweep trials (which
 # start DDP ranks of their own with `-m training.sweeps.trial`), torchrun's workers (tests.helpers.torchrun), and
-# `make gpu-check --dry-run` (whose imgcls fits are then forked too); each module's entry once its imports are done.
+# `make gpu-check --dry-run` (whose imgcls fits are then forked too) and the benchmarks' helper processes; each
+# module's entry once its imports are done.
 ENTRIES = {"training.cli.__main__": "training.cli.app:main", "training.sweeps.trial": "training.sweeps.trial:main",
-           "tests.per_rank_run_dir": "tests.per_rank_run_dir:main", "benchmarks.gpu_check": "benchmarks.gpu_check:main"}
+           "tests.per_rank_run_dir": "tests.per_rank_run_dir:main", "benchmarks.gpu_check": "benchmarks.gpu_check:main",
+           "benchmarks.plain_loop": "benchmarks.plain_loop:main", "benchmarks.serve": "benchmarks.serve:cli"}
 MODULES = ("training.cli", *ENTRIES)  # `-m training.cli` (a user, a test), `-m training.cli.__main__` (Lightning)
 
 

@@ -294,7 +294,8 @@ def test_ddp_rank_lost_mid_step_peer_exits_within_timeout(tmp_path, data, sig, e
 def test_the_fault_tolerance_notes_quote_the_lost_peer_tests_bounds():
     notes = (ROOT / "docs" / "FAULT_TOLERANCE.md").read_text()
     t, line, end = PEER_TIMEOUT_S, PEER_TIMEOUT_S + LINE_MARGIN_S, PEER_TIMEOUT_S + EXIT_MARGIN_S
-    for quoted in (f"with a {t} s\ntimeout", f"print its error between {t} and {line} s and exit between {t} and {end} s",
+    for quoted in (f"with a {t} s\ntimeout",
+                   f"print its error between {t} and {line} s and exit between {t} and {end} s",
                    f"(required: {t} to {line} s) | {t} to {end} s (required)", f"Timed out waiting {t * 1000}ms"):
         assert quoted in notes, quoted
 
