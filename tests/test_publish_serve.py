@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from safetensors.torch import load_file
 from deploy.serve import SPIN_SETTINGS, choose_workers
 from lightning_modules import BackboneWithHead, ImageClassifier
 from lightning_modules.pretrained import network_factory
-from tests.helpers import CONFIGS, ROOT, TINY, TINY_ARCH, cli_env, free_port, run_cli
+from tests.helpers import CONFIGS, ROOT, TINY, TINY_ARCH, cli_env, concurrent_python, free_port, run_cli
 
 SETTINGS = ["--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true"]
 
@@ -152,14 +151,15 @@ def test_publish_refuses_in_one_line_and_keeps_what_is_there(folder, trained, tm
 
 @contextmanager
 def serving(model: Path, log: Path, *args: str):
-    """`imgcls serve MODEL ARGS` as a process of its own on a free loopback port, in a session of its own (its id is
-    the process's) with the OpenMP wait left to imgcls: (its URL once /health answers, its pid); killed with its
-    workers at the end."""
+    """`imgcls serve MODEL ARGS` as a process of its own (forked by the preloaded server through its launcher) on a
+    free loopback port, with the OpenMP wait left to imgcls: (its URL once /health answers, its port, which its
+    processes' environment holds as IMGCLS_TEST_SERVE); killed with its workers at the end."""
     port = free_port()
-    env = {k: v for k, v in cli_env().items() if k not in SPIN_SETTINGS}
+    env = {k: v for k, v in cli_env(IMGCLS_TEST_SERVE=str(port)).items() if k not in SPIN_SETTINGS}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "training.cli", "serve", str(model), "--port", str(port), *args],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([concurrent_python(), "-m", "training.cli", "serve", str(model), "--port", str(port),
+                                 *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -172,7 +172,7 @@ def serving(model: Path, log: Path, *args: str):
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        yield url, proc.pid
+        yield url, port
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -234,18 +234,19 @@ def test_server_answers_bad_input_in_one_line_and_keeps_serving(server, images):
         assert post(server, content=png, headers={"Content-Type": "image/png"}).status_code == 200, name
 
 
-def inference_worker_environ(session: int) -> dict[str, str]:
-    """The environment of the one LitServe inference worker (a process spawned by multiprocessing) in `session`."""
-    environs = []
+def inference_worker_environ(port: int) -> dict[str, str]:
+    """The environment of the one LitServe inference worker (a process spawned by multiprocessing, a fresh
+    interpreter) of the `serving` on `port`."""
+    environs, mark = [], f"IMGCLS_TEST_SERVE={port}".encode()
     for entry in Path("/proc").iterdir():
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat[stat.rindex(")") + 2:].split()[3]) == session and \
-                    b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
-                environs.append((entry / "environ").read_bytes())
-        except (OSError, ValueError):  # not a process, or one that ended
+            if b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
+                environ = (entry / "environ").read_bytes()
+                if mark in environ.split(b"\0"):
+                    environs.append(environ)
+        except OSError:  # not a process, or one that ended
             continue
-    assert len(environs) == 1, f"{len(environs)} inference workers in session {session}"
+    assert len(environs) == 1, f"{len(environs)} inference workers of the server on port {port}"
     return dict(item.split("=", 1) for item in environs[0].decode(errors="replace").split("\0") if "=" in item)
 
 
@@ -310,12 +311,12 @@ def test_served_multi_label_answers_list_the_sigmoid_scores_at_or_above_the_thre
     folder, files, scores = multilabel
     threshold = json.loads((folder / "config.json").read_text())["threshold"]
     kinds = {".png": "image/png", ".jpg": "image/jpeg"}
-    with serving(folder, tmp_path / "serve.log", "--max_batch_size", "4", "--batch_timeout", "0.05") as (url, pid):
+    with serving(folder, tmp_path / "serve.log", "--max_batch_size", "4", "--batch_timeout", "0.05") as (url, port):
         with ThreadPoolExecutor(max_workers=len(files)) as pool:
             answers = list(pool.map(lambda p: post(url, content=p.read_bytes(),
                                                    headers={"Content-Type": kinds[p.suffix]}), files))
         multipart = post(url, files=[(p.stem, p.read_bytes()) for p in files])
-        worker_settings = [inference_worker_environ(pid).get(name) for name in SPIN_SETTINGS]
+        worker_settings = [inference_worker_environ(port).get(name) for name in SPIN_SETTINGS]
     assert worker_settings == ["PASSIVE", None]  # OpenMP threads sleep between regions (serve.passive_openmp)
     assert [a.status_code for a in answers] == [200] * len(files) and multipart.status_code == 200
     chosen = 0
