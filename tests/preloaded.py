@@ -16,12 +16,12 @@ worker) for each command. The forked process is what `python -m training.cli ARG
 - the random generators reseeded from the OS, as a fresh interpreter's are (a fork would share the server's);
 - it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
 
-What differs: the imports ran once, in an environment the test's may not match where the libraries read it at
-import time. Two things are read that way here. The thread count, kernels and OpenMP's wait (IMPORTED below): a
-command or rank whose environment asks for others than the server's gets a fresh interpreter,
-as every command does when IMGCLS_TEST_FRESH_INTERPRETERS=1 (the real start, for a suspicious difference), and
-tests/test_preloaded.py checks that both give the same run. And the rank of the process (Lightning's rank_zero_only),
-which a forked process sets from its own environment.
+What differs: the imports ran once, in an environment the test's may not match where the libraries read it at import
+time. Two things are read that way here. The thread count, kernels and OpenMP's wait (IMPORTED below): a command or
+rank whose environment asks for others than the server's gets a fresh interpreter, as every command does when
+IMGCLS_TEST_FRESH_INTERPRETERS=1 (the real start, for a suspicious difference), and tests/test_preloaded.py checks
+that both give the same run. And the rank of the process (Lightning's rank_zero_only), which a forked process sets
+from its own environment.
 
 Which of the two runs a command is decided by the test's own inputs alone (the switch, the command's environment,
 a stand-in interpreter): never by timing. A server that died, or a second command while one runs (one per server),

@@ -22,15 +22,14 @@ import math
 import os
 import sys
 
+# TensorBoard's writer, which Lightning imports on first use and jsonargparse as soon as it reads the logger's
+# **kwargs: imported here, with the start-up's other imports (frozen, training/cli/startup.py), instead of in the
+# middle of every fit's parse (~0.15 s). Every shipped config logs to TensorBoard.
+import torch.utils.tensorboard  # noqa: F401
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-
-# TensorBoard's writer, which Lightning imports on first use and jsonargparse as soon as it reads the logger's
-# **kwargs: imported here, with the start-up's other imports (frozen, training/cli/startup.py), instead of in the
-# middle of every fit's parse (~0.15 s). Every shipped config logs to TensorBoard.
-from torch.utils import tensorboard  # noqa: F401
 
 from training.records.secrets import redact_secrets
 
