@@ -32,6 +32,7 @@ from tests.helpers import (
     free_port,
     run_cli,
     service_unavailable,
+    start_cli,
     wandb_offline_env,
 )
 from tests.postgres import PACKAGES, Unavailable, server_bin, throwaway_server
@@ -83,14 +84,15 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
     env = wandb_offline_env(IMGCLS_SWEEP_STORAGE=url)
     logs = {name: tmp_path / f"worker_{name}.log" for name in roots}
 
-    def start(name: str, python: str) -> subprocess.Popen:
-        return _start_worker([python, "-m", "training.cli", "sweep", "--config", str(path), "--out", str(roots[name]),
-                              "--heartbeat", str(HEARTBEAT), "--grace", str(GRACE)], env, logs[name])
+    def args(name: str) -> list[str]:
+        return ["sweep", "--config", str(path), "--out", str(roots[name]), "--heartbeat", str(HEARTBEAT),
+                "--grace", str(GRACE)]
 
-    # Worker a is a fresh interpreter: its pid is the one the retry names, and its trials are its children, which
-    # must die with it alone (PR_SET_PDEATHSIG). Worker b, and its trials, are forked by the preloaded server; it
-    # joins once a has finished a trial, and takes the grid's next points while a runs its second.
-    workers = {"a": start("a", sys.executable)}
+    # Both workers and their trials are forked by the preloaded server. Worker a is a command of its own: its pid, in
+    # a session of its own, is the one the retry names, and its trials' processes (the launchers that stand in for
+    # them, whose forked trial dies with them) are its children, which must die with it alone (PR_SET_PDEATHSIG).
+    # Worker b joins once a has finished a trial, and takes the grid's next points while a runs its second.
+    workers = {"a": start_cli(*args("a"), log=logs["a"], env=env)}
     study = None
 
     def show() -> str:
@@ -103,7 +105,7 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
     try:
         study = _wait_for("the study", lambda: _load(url), 120, show)
         _wait_for("worker a's first trial", lambda: trials_of("a", TrialState.COMPLETE), 240, show)
-        workers["b"] = start("b", concurrent_python())
+        workers["b"] = _start_worker([concurrent_python(), "-m", "training.cli", *args("b")], env, logs["b"])
         # Worker a has finished a trial, and the process of its next one has started (it has written to its log)
         # when it is killed; that trial process dies with it.
         running = _wait_for("worker a in its second trial",
@@ -113,6 +115,8 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
         os.kill(workers["a"].pid, signal.SIGKILL)
         workers["a"].wait(timeout=30)
         _wait_for("worker a's trial process to die with it", lambda: not _live_processes(workers["a"].pid), 30, show)
+        # ...before its fit ended (a trial process that outlived its worker would finish, and record its metrics).
+        assert study.get_trials(deepcopy=False)[running.number].user_attrs["final_metrics"] == {}, show()
         # Machine a is gone: what it wrote is searched for the password now, and its disk is out of b's reach.
         assert list(roots["a"].rglob("*.wandb")), "no W&B run to search"
         leaked = _files_holding(postgres.password, roots["a"], logs["a"])
@@ -154,10 +158,16 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
     assert postgres.password not in json.dumps([t.user_attrs for t in trials])
 
 
-def _live_processes(group: int) -> list[str]:
-    """The processes of a process group that are not zombies (a dead worker's orphans wait to be reaped)."""
-    ps = subprocess.run(["ps", "--no-headers", "-o", "stat", "--pgid", str(group)], capture_output=True, text=True)
-    return [state for state in ps.stdout.split() if not state.startswith("Z")]
+def _live_processes(group: int) -> list[int]:
+    """The processes of a process group that are not zombies (a dead worker's orphans wait to be reaped), read from
+    /proc/PID/stat: its state is the field after the command's closing parenthesis, the group two after it."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, _, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+            if int(pgrp) == group and state != "Z":
+                found.append(int(stat.parent.name))
+    return found
 
 
 def _started(trial) -> bool:
