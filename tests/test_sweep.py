@@ -276,6 +276,9 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
         assert set(t.intermediate_values) == {0}  # each epoch's val/acc, reported by the trial process
         run_dir = Path(t.user_attrs["run_dir"])
         assert (run_dir / "config.yaml").is_file() and list((run_dir / "checkpoints").glob("*.ckpt"))
+        # The trial process parses its command line as `imgcls fit` does (no warning of Lightning's that it got both
+        # a command line and `args`).
+        assert "args parameter" not in (run_dir / "fit.log").read_text()
     assert "val/acc (maximize)" in resumed.stdout
 
     # 3. best.yaml reruns the best trial and gets its metric back.
