@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, concurrent_python
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -35,8 +37,19 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for var in ("IMGCLS_DATA", "IMGCLS_SWEEP"):
         monkeypatch.delenv(var, raising=False)
+    # The kernel is a fresh interpreter whose sys.executable is the preloaded server's launcher (tests/preloaded.py),
+    # so that the `imgcls` processes a notebook starts with it (02's sweep, and the sweep's trials) are forked as the
+    # other tests' are; the kernelspec is ipykernel's own otherwise.
+    kernels = tmp_path / "jupyter" / "kernels" / "imgcls-test"
+    kernels.mkdir(parents=True)
+    launch = f"import sys; sys.executable = {concurrent_python()!r}; from ipykernel import kernelapp; " \
+             "kernelapp.launch_new_instance()"
+    (kernels / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-c", launch, "-f", "{connection_file}"], "display_name": "imgcls tests",
+        "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
+    NotebookClient(nb, timeout=600, kernel_name="imgcls-test",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
