@@ -115,8 +115,6 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
         os.kill(workers["a"].pid, signal.SIGKILL)
         workers["a"].wait(timeout=30)
         _wait_for("worker a's trial process to die with it", lambda: not _live_processes(workers["a"].pid), 30, show)
-        # ...before its fit ended (a trial process that outlived its worker would finish, and record its metrics).
-        assert study.get_trials(deepcopy=False)[running.number].user_attrs["final_metrics"] == {}, show()
         # Machine a is gone: what it wrote is searched for the password now, and its disk is out of b's reach.
         assert list(roots["a"].rglob("*.wandb")), "no W&B run to search"
         leaked = _files_holding(postgres.password, roots["a"], logs["a"])
