@@ -90,7 +90,8 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
 
     # Both workers and their trials are forked by the preloaded server. Worker a is a command of its own: its pid, in
     # a session of its own, is the one the retry names, and its trials' processes (the launchers that stand in for
-    # them, whose forked trial dies with them) are its children, which must die with it alone (PR_SET_PDEATHSIG).
+    # them, whose forked trial dies with them) are its children, which die with it alone (PR_SET_PDEATHSIG; a trial
+    # here is too short to tell that from its end: tests/test_sweep.py checks it with one that would sleep a minute).
     # Worker b joins once a has finished a trial, and takes the grid's next points while a runs its second.
     workers = {"a": start_cli(*args("a"), log=logs["a"], env=env)}
     study = None

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     """Inside a trial process: `imgcls fit` with the callback that reports to the study."""
     from training.cli.app import cli_main
 
-    cli_main(None if argv is None else list(argv), trainer_defaults={"callbacks": [trial_callback()]})
+    cli_main(argv, trainer_defaults={"callbacks": [trial_callback()]})  # None: sys.argv, as `imgcls fit` reads it
 
 
 if __name__ == "__main__":
