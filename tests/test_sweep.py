@@ -7,6 +7,8 @@ import fcntl
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -445,40 +447,43 @@ def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
     assert left.user_attrs["final_metrics"] == {"val/acc": 0.75}
 
 
-def _run_one_trial(path: str, out: str, python: str) -> None:
-    """A sweep worker's part (forked by the test below): run_trial with `python` as the interpreter it starts."""
-    import sys
 
-    from training.sweeps.trial import run_trial
-
-    sys.executable = python
-    run_trial(optuna.create_study().ask(), load_sweep(path), Path(out), "sqlite:///unused.db")
+# A sweep worker's part, in a process of its own: run_trial with argv[3] as the interpreter it starts.
+WORKER = """
+import sys
+from pathlib import Path
+import optuna
+from training.sweeps.space import load_sweep
+from training.sweeps.trial import run_trial
+sys.executable = sys.argv[3]
+run_trial(optuna.create_study().ask(), load_sweep(sys.argv[1]), Path(sys.argv[2]), "sqlite:///unused.db")
+"""
 
 
 def test_a_trial_process_dies_with_its_sweep_worker(tmp_path):
     """A worker killed by SIGKILL takes its trial's process along (PR_SET_PDEATHSIG), instead of leaving it to train
     on for nobody: the trial's "interpreter" here writes its pid and sleeps a minute."""
-    import multiprocessing
-
     pid_file = tmp_path / "trial.pid"
     sleeper = tmp_path / "python"
     sleeper.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
     sleeper.chmod(0o755)
-    worker = multiprocessing.get_context("fork").Process(
-        target=_run_one_trial, args=(str(write_sweep(tmp_path / "s.yaml", tmp_path)), str(tmp_path / "out"),
-                                     str(sleeper)))
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not (pid_file.is_file() and pid_file.read_text().strip()):
-        assert worker.is_alive() and time.monotonic() < deadline, "the trial process did not start"
-        time.sleep(0.05)
-    trial = int(pid_file.read_text())
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.join(10)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{trial}").exists() and "State:\tZ" not in _status(trial):
-        assert time.monotonic() < deadline, "the trial process outlived its worker"
-        time.sleep(0.05)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(write_sweep(tmp_path / "s.yaml", tmp_path)),
+                               str(tmp_path / "out"), str(sleeper)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.is_file() and pid_file.read_text().strip()):
+            assert worker.poll() is None and time.monotonic() < deadline, "the trial process did not start"
+            time.sleep(0.05)
+        trial = int(pid_file.read_text())
+        worker.kill()
+        worker.wait(10)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{trial}").exists() and "State:\tZ" not in _status(trial):
+            assert time.monotonic() < deadline, "the trial process outlived its worker"
+            time.sleep(0.05)
+    finally:
+        worker.kill()
+        worker.wait(10)
 
 
 def _status(pid: int) -> str:
