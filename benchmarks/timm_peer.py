@@ -214,7 +214,9 @@ def render(results: dict) -> tuple[str, str]:
                 "the demo digits' PNG files; timm's train.py with one loader process, imgcls with its `auto` levers; "
                 f"seeds {RECIPE['seed']} onwards, one per pair; each run a process of its own, timed from launch to "
                 "exit, pairs interleaved with the order swapped each time; the flags of timm's train.py: "
-                + " ".join(results["peer_args"]) + (" (quick: resnet18, 1 epoch)" if results["quick"] else ""))
+                + " ".join(results["peer_args"]) + (" (quick: resnet18, 1 epoch)" if results["quick"] else "")
+                + ("; the AVX2 estimate's without --amp --amp-dtype bfloat16 (fp32 on both sides)"
+                   if "--amp" in results["peer_args"] and AVX2_ESTIMATE in results["runs"] else ""))
     return "\n\n".join(parts), settings
 
 

@@ -227,6 +227,11 @@ def test_a_timm_run_of_one_kind_keeps_the_other_kinds_stored_rows(monkeypatch, t
     page, _ = timm_peer.render(results)
     assert "median 0.95x (from 0.90x to 1.00x, 2 pairs)" in page
     assert "(measured 2026-11-26 19:13 UTC)" in page and "fp32: not measured yet" in page
+    # The flags shown are the native kind's; the AVX2 estimate's, which drop bf16 autocast, are said to differ.
+    amp = dict(results, peer_args=["--amp", "--amp-dtype", "bfloat16"])
+    assert "without --amp" not in timm_peer.render(amp)[1]
+    both = dict(amp, runs={timm_peer.NATIVE: native, timm_peer.AVX2_ESTIMATE: native})
+    assert "the AVX2 estimate's without --amp --amp-dtype bfloat16" in timm_peer.render(both)[1]
 
 
 def test_hardware_benchmark_times_the_quickstarts_step():
