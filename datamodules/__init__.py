@@ -1,20 +1,18 @@
 """Data: the data-source contract (`ClassificationData`), the sources that ship with it, transform presets and the
-demo-data builder. A source of your own subclasses `ClassificationData` (docs/EXTENDING.md, "Data source")."""
+demo-data builder. A source of your own subclasses `ClassificationData` (docs/EXTENDING.md, "Data source").
 
-from datamodules.base import ClassificationData
-from datamodules.csv_manifest import CsvDataModule
-from datamodules.hugging_face import HFDataModule
-from datamodules.image_data import ImageData
-from datamodules.image_folder import ImageFolderDataModule
-from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain
+Each name is imported when first used (PEP 562): the transforms and image decoding import no Lightning (an inference
+worker of `imgcls serve` uses them alone), and ShardsDataModule alone imports LitData."""
 
-__all__ = ["ClassificationData", "ClassificationPresetEval", "ClassificationPresetTrain", "CsvDataModule",
-           "HFDataModule", "ImageData", "ImageFolderDataModule", "ShardsDataModule"]
+import importlib
+
+_MODULES = {"ClassificationData": "base", "CsvDataModule": "csv_manifest", "HFDataModule": "hugging_face",
+            "ImageData": "image_data", "ImageFolderDataModule": "image_folder", "ShardsDataModule": "shards",
+            "ClassificationPresetEval": "presets", "ClassificationPresetTrain": "presets"}
+__all__ = sorted(_MODULES)
 
 
 def __getattr__(name: str):
-    if name == "ShardsDataModule":  # imports LitData, which the other sources do without
-        from datamodules.shards import ShardsDataModule
-
-        return ShardsDataModule
-    raise AttributeError(f"module 'datamodules' has no attribute {name!r}")
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,19 +66,22 @@ def check_model_path(path: str | Path, threshold: float | None) -> None:
 
 
 def load_served(path: str | Path, threshold: float | None = None) -> Served:
-    """The model of a folder (from_pretrained) or a checkpoint (the validated weights), on the CPU, fp32."""
-    from lightning_modules import ImageClassifier
-
+    """The model of a folder (its network alone: no Lightning to import in each inference worker) or a checkpoint
+    (the validated weights), on the CPU in eval mode, fp32."""
     path = Path(path).expanduser()
     if path.is_dir():
-        model = ImageClassifier.from_pretrained(path, threshold=threshold)
-        contract = model.input_contract
-    else:
-        from deploy.export import load_for_export
+        from lightning_modules.pretrained import pretrained_network, read_config
 
-        model, contract = load_for_export(path)
-        if threshold is not None:
-            model.threshold = threshold
+        config = read_config(path)
+        multilabel = bool(config["multilabel"])
+        threshold = (threshold if threshold is not None else config.get("threshold") or 0.5) if multilabel else None
+        return Served(pretrained_network(path, config), dict(config["preprocessing"]), list(config["class_names"]),
+                      multilabel, threshold)
+    from deploy.export import load_for_export
+
+    model, contract = load_for_export(path)
+    if threshold is not None:
+        model.threshold = threshold
     multilabel = bool(model.hparams.get("multilabel"))
     return Served(model, contract, list(model.class_names), multilabel, model.threshold if multilabel else None)
 

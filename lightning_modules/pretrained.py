@@ -144,3 +144,11 @@ def from_pretrained(cls, name_or_path: str | Path, *, threshold: float | None = 
     model = cls(**hparams, threshold=threshold, levers={"channels_last": False})
     load_network_weights(model.net, folder, head=True)
     return model.float().eval()
+
+
+def pretrained_network(folder: str | Path, config: dict[str, Any]) -> nn.Module:
+    """The network of a model folder (`config`, its read_config) with its weights, on the CPU in eval mode, fp32: what
+    from_pretrained's model runs in its forward, without the LightningModule around it."""
+    net = network_factory(config["network"])(config["num_classes"])
+    load_network_weights(net, folder, head=True)
+    return net.float().eval()

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
+from benchmarks import serve as serve_bench
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
 from tests.helpers import cli_env, concurrent_python
@@ -109,6 +110,12 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
     assert [r[0] for r in distributed[1:5]] == ["none", "fp16", "bf16", "powersgd"]
     ratios = {r[0]: _num(r[4]) for r in distributed[1:5]}  # bytes all-reduced vs none, counted on ResNet50
     assert ratios["fp16"] == ratios["bf16"] == 0.5 and ratios["powersgd"] <= 0.05
+
+    serving = tables["Serving"]
+    assert serving[0] == ["server", "requests/s", "vs plain", "p50 ms", "p99 ms", "launch to first answer, s"]
+    assert [r[0] for r in serving[1:]] == ["imgcls serve, max_batch_size 16", "imgcls serve, max_batch_size 1",
+                                           serve_bench.BASELINE]
+    assert all(_num(r[1]) > 0 and _num(r[5]) > 0 for r in serving[1:])
 
     retry = text.split("## Sweep retry after a worker's death", 1)[1]
     # Without a PostgreSQL server it is skipped, saying why (tests/test_sweep_postgres.py installs one).

@@ -245,3 +245,12 @@ def test_every_part_a_users_own_by_yaml_alone_fits_resumes_bitwise_validates_and
         rows = list(csv.DictReader(f))
     assert [r["path"] for r in rows] == [f"tensor_{i:03d}" for i in range(16)]
     assert {r["class_name"] for r in rows} <= {"dark", "bright"}
+
+
+def test_the_shipped_sources_are_named_by_their_class_name_alone():
+    """`data.class_path: CsvDataModule`, as configs/quickstart.yaml offers it: the parser finds a short name among the
+    ClassificationData subclasses imported, and `datamodules` imports a name only when it is first used."""
+    for name in ("CsvDataModule", "HFDataModule", "ImageFolderDataModule"):
+        printed = yaml.safe_load(run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.class_path",
+                                         name, "--print_config").stdout)
+        assert printed["data"]["class_path"] == f"datamodules.{name}"

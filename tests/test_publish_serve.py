@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -335,3 +336,33 @@ def test_served_multi_label_answers_list_the_sigmoid_scores_at_or_above_the_thre
         assert 1 <= int(answer.headers["X-Imgcls-Batch"]) <= len(files)
         chosen += len(above)
     assert 0 < chosen < len(files) * len(ANIMALS)  # labels on both sides of the threshold
+
+
+WORKER = """
+import json, sys
+import torch
+from deploy.serve import ImageClassifierAPI
+api = ImageClassifierAPI(sys.argv[1], threshold=None, top_k=5, max_pixels=40_000_000, threads=1)
+api.setup("cpu")  # what each inference worker runs once it has been spawned
+x = torch.load(sys.argv[2], weights_only=True)
+print(json.dumps({"heavy": sorted({"lightning", "torchmetrics"} & set(sys.modules)), "training": api.model.training,
+                  "threshold": api.served.threshold, "logits": api.model(x).tolist()}))
+"""
+
+
+def test_an_inference_worker_builds_the_folders_network_without_importing_lightning(multilabel, tmp_path):
+    """A worker spawned by `imgcls serve FOLDER` (a fresh interpreter, one per worker and device) imports neither
+    Lightning nor torchmetrics (~2.5 s of a worker's start on 2 cores), and its network answers as the folder's
+    ImageClassifier.from_pretrained does."""
+    folder, _, _ = multilabel
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    torch.save(x, tmp_path / "x.pt")
+    out = subprocess.run([sys.executable, "-c", WORKER, str(folder), str(tmp_path / "x.pt")], cwd=ROOT, env=cli_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worker = json.loads(out.stdout.strip().splitlines()[-1])
+    model = ImageClassifier.from_pretrained(folder)
+    assert worker["heavy"] == [] and worker["training"] is False
+    assert worker["threshold"] == model.threshold == json.loads((folder / "config.json").read_text())["threshold"]
+    with torch.inference_mode():
+        assert torch.equal(torch.tensor(worker["logits"]), model(x))

@@ -46,7 +46,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
-from datamodules import ClassificationData, ImageFolderDataModule
+from datamodules import ClassificationData, CsvDataModule, HFDataModule, ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
@@ -76,6 +76,10 @@ EXTRA_COMMANDS = {
 }
 
 DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__name__}"
+# The shipped data sources that a config may name by their class name alone (`data.class_path: CsvDataModule`): the
+# parser resolves such a name among the subclasses of ClassificationData imported, and `datamodules` imports each
+# name when first used. ShardsDataModule (LitData) by its full path only.
+SHORT_NAMED_DATA = (ImageFolderDataModule, CsvDataModule, HFDataModule)
 
 # Deprecations raised inside the pinned libraries on every fit, which no config can act on: Lightning 2.6's pytree
 # helper under torch 2.14, and torchdata's StatefulDataLoader calling torch's deprecated set_vital.
