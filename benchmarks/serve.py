@@ -238,6 +238,7 @@ def figures(r: dict) -> dict[str, str]:
             "batched_rps": f"{batched['requests_per_s']:.1f} req/s",
             "batched_p99": f"{batched['p99_ms']:.0f} ms", "single_p99": f"{single['p99_ms']:.0f} ms",
             "plain_rps": f"{rows[BASELINE]['requests_per_s']:.1f} req/s",
+            **({"first_answer": f"{batched['first_answer_s']:.1f} s"} if "first_answer_s" in batched else {}),
             **forward_figures(r.get("forward_img_s"))}
 
 
