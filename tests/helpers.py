@@ -198,20 +198,23 @@ def last_weights(run: Path, key: str = "state_dict") -> dict:
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")[key]
 
 
-def killed_and_resumed(config: Path, folder: Path, *, kill_after: int, resumes_from: int) -> float:
-    """Fit `config` once uninterrupted, once SIGKILLed after training step `kill_after` and run again (auto_resume),
-    which must resume from step `resumes_from`'s checkpoint; the largest weight difference between the two ends."""
+def killed_and_resumed(config: Path, folder: Path, *, kill_after: int, resumes_from: int,
+                       reference: Path | None = None) -> float:
+    """Fit `config` once uninterrupted (or take `reference`, a finished run of the same config), once SIGKILLed after
+    training step `kill_after` and run again (auto_resume), which must resume from step `resumes_from`'s checkpoint;
+    the largest weight difference between the two ends."""
     import signal
 
-    reference = fit_run(config, folder / "reference")
-    assert "val/acc" in reference.stdout  # trained and validated
+    if reference is None:
+        reference = folder / "reference"
+        assert "val/acc" in fit_run(config, reference).stdout  # trained and validated
     run = folder / "killed"
     killed = fit_run(config, run, *kill_args(kill_after, "train"), check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = fit_run(config, run)
     step = run / "checkpoints" / f"step{resumes_from:07d}.ckpt"
     assert f"resuming from {step} (auto_resume)" in resumed.stdout + resumed.stderr
-    diff = max_diff(last_weights(folder / "reference"), last_weights(run))
+    diff = max_diff(last_weights(reference), last_weights(run))
     print(f"killed after step {kill_after}, resumed from step {resumes_from}: max |w - w_ref| = {diff}")
     return diff
 

@@ -4,7 +4,6 @@ by `data.class_path` alone, train, and resume after a SIGKILL to the weights of 
 from __future__ import annotations
 
 import csv
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -218,33 +217,6 @@ def test_a_batch_without_seeds_is_augmented_from_the_datamodules_own_checkpointe
     resumed = datamodule()
     resumed.load_state_dict(state)
     assert torch.equal(resumed.on_after_batch_transfer(batch, 0)[0], second)
-
-
-def test_every_part_a_users_own_by_yaml_alone_fits_resumes_bitwise_validates_and_predicts(tmp_path):
-    """tests/user_plugins.py's in-memory TensorData, SmallGeMNet (its own pooling and head) and FocalLoss, together
-    and named in YAML only: a run SIGKILLed mid-epoch resumes to the weights of the run that never was, and its
-    checkpoint alone validates as it does with the run's config, and predicts."""
-    cfg = resume_config(every_n_train_steps=2)
-    cfg["model"]["net"] = {"class_path": "tests.user_plugins.SmallGeMNet", "init_args": {"width": 8}}
-    cfg["model"]["loss"] = {"class_path": "tests.user_plugins.FocalLoss", "init_args": {"gamma": 2.0}}
-    cfg["data"] = {"class_path": "tests.user_plugins.TensorData",
-                   "init_args": {"images": 16, "image_size": 32, "batch_size": 4, "num_workers": 0}}
-    config = tmp_path / "users_parts.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0  # 4 steps an epoch, 2 epochs
-    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
-    scores = []
-    for config in ([], ["--config", str(tmp_path / "killed" / "config.yaml")]):  # the checkpoint alone, then with
-        validated = run_cli("validate", *config, "--ckpt_path", str(last), "--trainer.default_root_dir",  # the config
-                            str(tmp_path / "killed"), "--trainer.enable_progress_bar", "false")
-        scores.append(re.search(r"val/acc\s*│\s*([0-9.]+)", validated.stdout).group(1))
-    assert scores[0] == scores[1]  # the same answer: the run's data class and its arguments come from the checkpoint
-    run_cli("predict", "--ckpt_path", str(last), "--trainer.default_root_dir", str(tmp_path / "killed"),
-            "--trainer.enable_progress_bar", "false")
-    with open(tmp_path / "killed" / "predictions.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert [r["path"] for r in rows] == [f"tensor_{i:03d}" for i in range(16)]
-    assert {r["class_name"] for r in rows} <= {"dark", "bright"}
 
 
 def test_the_shipped_sources_are_named_by_their_class_name_alone():

@@ -214,35 +214,39 @@ def test_a_network_without_the_declaration_is_all_head_and_refuses_what_needs_a_
         ImageClassifier(num_classes=3, net=_NoHead, recipe=Recipe(backbone_lr_ratio=0.1))
 
 
-def test_a_users_network_with_its_own_pooling_and_head_by_class_path_alone(tmp_path):
-    """tests/user_plugins.py's SmallGeMNet named in YAML only, its backbone frozen for epoch 0 and at a tenth of the
-    head's lr: it fits, a run SIGKILLed mid-epoch 0 resumes to the weights of the run never killed, the checkpoint
-    holds the network as class_path and init_args, and validate and predict rebuild it from the checkpoint alone."""
-    data = make_image_folder(tmp_path / "images", {"a": 8, "b": 8}, size=32)
-    cfg = resume_config()
+def test_every_part_a_users_own_by_yaml_alone_fits_resumes_bitwise_validates_and_predicts(tmp_path):
+    """tests/user_plugins.py's in-memory TensorData, SmallGeMNet (its own GeM pooling and head) and FocalLoss,
+    together and named in YAML only, the backbone frozen for epoch 0 and at a tenth of the head's lr: a run SIGKILLed
+    mid-epoch 0 resumes to the weights of the run that never was; its checkpoint holds the network as class_path and
+    init_args, and alone (no config) it validates to the val/acc the fit logged and the run's config gives, and
+    predicts."""
+    cfg = resume_config(every_n_train_steps=2)
     cfg["model"]["net"] = {"class_path": "tests.user_plugins.SmallGeMNet", "init_args": {"width": 8}}
+    cfg["model"]["loss"] = {"class_path": "tests.user_plugins.FocalLoss", "init_args": {"gamma": 2.0}}
     cfg["model"]["recipe"]["backbone_lr_ratio"] = 0.1
     cfg["freeze"] = {"epochs": 1}  # training.callbacks.FreezeBackbone
-    cfg["data"].update(root=str(data), batch_size=4, num_workers=0, image_size=32)
-    config = tmp_path / "gem.yaml"
+    cfg["data"] = {"class_path": "tests.user_plugins.TensorData",
+                   "init_args": {"images": 16, "image_size": 32, "batch_size": 4, "num_workers": 0}}
+    config = tmp_path / "users_parts.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0
-    ckpt = tmp_path / "killed" / "checkpoints" / "last.ckpt"
-    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0  # 4 steps an epoch, 2 epochs
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
     assert saved["hyper_parameters"]["net"] == {"class_path": "tests.user_plugins.SmallGeMNet",
                                                 "init_args": {"width": 8}}
     assert "net.pool.p" in saved["state_dict"]
-    common = ["--ckpt_path", str(ckpt), "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
-              "--trainer.default_root_dir", str(tmp_path / "eval")]
-    validated = run_cli("validate", *common, "--data.root", str(data), "--data.image_size", "32",
-                        "--data.num_workers", "0")
-    # The checkpoint alone gives the val/acc its fit logged for the same weights (last.ckpt: the last validation).
-    logged = dict(read_run(tmp_path / "killed")["val/acc"])
-    assert printed_metrics(validated.stdout)["val/acc"] == pytest.approx(logged[max(logged)], abs=1e-6)
-    run_cli("predict", *common, "--data.root", "null", "--data.predict_dir", str(data / "val"),
-            "--data.num_workers", "0")
-    rows = list(csv.DictReader((tmp_path / "eval" / "predictions.csv").open()))
-    assert len(rows) == len(list((data / "val").rglob("*.png"))) and {r["class_name"] for r in rows} <= {"a", "b"}
+    common = ["--ckpt_path", str(last), "--trainer.default_root_dir", str(tmp_path / "killed"),
+              "--trainer.enable_progress_bar", "false"]
+    scores = [printed_metrics(run_cli("validate", *config_args, *common).stdout)["val/acc"]
+              for config_args in ([], ["--config", str(tmp_path / "killed" / "config.yaml")])]
+    logged = dict(read_run(tmp_path / "killed")["val/acc"])  # last.ckpt: the weights of the last validation
+    # The same answer: the run's data class and its arguments come from the checkpoint.
+    assert scores[0] == scores[1] == pytest.approx(logged[max(logged)], abs=1e-6)
+    run_cli("predict", *common)
+    with open(tmp_path / "killed" / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["path"] for r in rows] == [f"tensor_{i:03d}" for i in range(16)]
+    assert {r["class_name"] for r in rows} <= {"dark", "bright"}
 
 
 def test_a_network_from_python_is_saved_as_its_class_and_arguments():

@@ -173,11 +173,14 @@ def test_a_checkpoint_evaluates_predicts_and_exports_with_the_users_eval_transfo
     assert (pre["image_size"], pre["mean"]) == (32, [0.4] * 3) and "SquareResize" in pre["steps"][0]
 
 
-def test_a_users_transforms_optimizer_and_schedule_resume_after_kill_to_identical_weights(tmp_path, images):
+def test_a_users_transforms_optimizer_and_schedule_resume_after_kill_to_identical_weights(tmp_path, images,
+                                                                                         user_run):
     """ChannelJitter and RandomResizedCrop draw from torch's generator, which the per-sample seed replays. RMSprop and
     OneCycleLR, named in YAML only: OneCycleLR gets the run's total_steps from the model, and the checkpoint holds
-    both as class_path and init_args (load_from_checkpoint rebuilds them)."""
-    assert killed_and_resumed(_config(tmp_path, images), tmp_path, kill_after=3, resumes_from=2) == 0.0
+    both as class_path and init_args (load_from_checkpoint rebuilds them). The run never killed is user_run's, of the
+    same config."""
+    assert killed_and_resumed(_config(tmp_path, images), tmp_path, kill_after=3, resumes_from=2,
+                              reference=user_run) == 0.0
     last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
     saved = ckpt["hyper_parameters"]
