@@ -105,18 +105,19 @@ def wandb_inspect(run_dir: Path, *args: str) -> str:
     return proc.stdout
 
 
-def wandb_history(run_dir: Path) -> list[dict]:
-    """The history rows of every offline W&B run in the folder (a resumed fit writes one more), in the order `wandb
-    sync` uploads them."""
+def wandb_offline_runs(run_dir: Path) -> list[tuple[dict, list[dict]]]:
+    """Each offline W&B run in the folder (a resumed fit writes one more), in the order `wandb sync` uploads them:
+    its `run` record (id, group, whether it resumes) and its history rows."""
     wandb = Path(sys.executable).parent / "wandb"
-    rows = []
+    runs = []
     for offline in sorted((run_dir / "wandb").glob("offline-run-*")):
         proc = subprocess.run([str(wandb), "leet", "inspect", "--json", str(offline)], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, proc.stderr
         records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-        rows += [r["history"]["item"] for r in records if r.get("type") == "history"]
-    return rows
+        runs.append((next(r["run"] for r in records if r.get("type") == "run"),
+                     [r["history"]["item"] for r in records if r.get("type") == "history"]))
+    return runs
 
 
 def wandb_run_record(run_dir: Path) -> dict:

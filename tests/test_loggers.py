@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -24,10 +23,9 @@ from tests.helpers import (
     kill_args,
     resume_config,
     run_cli,
-    wandb_history,
     wandb_inspect,
     wandb_offline_env,
-    wandb_run_record,
+    wandb_offline_runs,
 )
 from training.cli.app import ImgclsCLI, cli_main
 from training.records.loggers import SecretSafeWandbLogger
@@ -97,21 +95,6 @@ def test_wandb_offline_run_holds_metrics_config_and_images(wandb_run):
     assert sum(summary["config"]["data"]["val"].values()) > 0
 
 
-def test_resumed_fit_continues_the_same_wandb_run(wandb_run, digits_root, tmp_path):
-    # The finished run's folder, moved, and trained one epoch further (a finished run is not "resumed" into nothing).
-    (tmp_path / "checkpoints").mkdir()
-    shutil.copy(wandb_run / "checkpoints" / "last.ckpt", tmp_path / "checkpoints")
-    shutil.copy(wandb_run / WANDB_RUN_ID_FILE, tmp_path)
-    run_cli(*fit_args(digits_root, tmp_path), "--ckpt_path", "last", "--trainer.max_epochs", str(EPOCHS + 1),
-            env=wandb_offline_env())
-    first, resumed = wandb_run_record(wandb_run), wandb_run_record(tmp_path)
-    assert resumed["run_id"] == first["run_id"] == (wandb_run / WANDB_RUN_ID_FILE).read_text().strip()
-    assert resumed.get("resume") is True and not first.get("resume")
-    # The id stays out of the resolved config: rerun elsewhere, config.yaml starts a W&B run of its own.
-    loggers = yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["logger"]
-    assert next(lg for lg in loggers if lg["class_path"].endswith("WandbLogger"))["init_args"].get("id") is None
-
-
 @pytest.mark.parametrize(("env", "online", "agent_run"), [
     ({}, False, None),
     ({"WANDB_API_KEY": "k" * 40}, True, None),
@@ -151,7 +134,8 @@ def test_ddp_run_makes_one_wandb_run_and_a_confusion_matrix_of_every_rank(tmp_pa
 def test_every_logger_holds_each_step_once_after_a_kill_and_a_resume(tmp_path, digits_root):
     """TensorBoard, CSV and W&B (offline), named by Lightning's class paths as a user's config would: a fit of 12
     steps SIGKILLed after step 5 (its newest checkpoint is step 4's: the steps after it are trained again), then
-    resumed. Each logger then holds every step from 0 to 11 once, and `imgcls report` draws one curve."""
+    resumed. Each logger then holds every step from 0 to 11 once, the resumed fit continues the same W&B run, and
+    `imgcls report` draws one curve."""
     config = resume_config()  # a step checkpoint every 2 steps, deterministic
     config["trainer"]["logger"] = [
         {"class_path": f"lightning.pytorch.loggers.{name}", "init_args": {"save_dir": "", "name": "", "version": ""}}
@@ -181,8 +165,13 @@ def test_every_logger_holds_each_step_once_after_a_kill_and_a_resume(tmp_path, d
     for key in keys:
         assert [e.step for e in acc.Scalars(key)] == every, key
 
-    history = wandb_history(run)
-    assert len(list((run / "wandb").glob("offline-run-*"))) == 2  # one per process, the same W&B run
+    (first, _), (second, _) = offline = wandb_offline_runs(run)  # one per process, the same W&B run
+    assert first["run_id"] == second["run_id"] == (run / WANDB_RUN_ID_FILE).read_text().strip()
+    assert second.get("resume") is True and not first.get("resume")
+    # The id stays out of the resolved config: rerun elsewhere, config.yaml starts a W&B run of its own.
+    loggers = yaml.safe_load((run / "config.yaml").read_text())["trainer"]["logger"]
+    assert next(lg for lg in loggers if lg["class_path"].endswith("WandbLogger"))["init_args"].get("id") is None
+    history = [row for _, rows in offline for row in rows]
     for key in keys:
         assert [h["trainer/global_step"] for h in history if key in h] == every, key
 
