@@ -134,15 +134,16 @@ def _tiny_fit_args(root: Path, run: Path, epochs: int) -> list[str]:
 def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_path, monkeypatch, caplog):
     run = tmp_path / "run"
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level(logging.INFO):
-        fit = cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=2)])
+    with caplog.at_level(logging.INFO):  # the run directory relative to the working directory, as configs name it
+        fit = cli_main(["fit", *_tiny_fit_args(digits_root, Path("run"), epochs=2)])
     # fit ends by saying where everything went, in paths relative to the working directory.
     best = Path(fit.trainer.checkpoint_callback.best_model_path)
-    assert best.parent == run / "checkpoints" and best.is_file()
+    assert best.resolve().parent == run.resolve() / "checkpoints" and best.is_file()
     for line in ("run directory   run\n", f"best checkpoint run/checkpoints/{best.name} (val/acc 0.",
                  "last checkpoint run/checkpoints/last.ckpt  (resume: add --ckpt_path last)",
                  "resolved config run/config.yaml\n", "dashboard       make dashboard"):
         assert line in caplog.text
+    assert caplog.text.count("checkpoints     run/checkpoints: ") == 1  # two callbacks save there: one line
     last = run / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True, map_location="cpu")
     state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))

@@ -105,7 +105,9 @@ def closing_summary(trainer, best: str, score, monitor: str | None, lasts: list[
         lines.append(f"best checkpoint {relative_to_cwd(best)}{scored}")
     if lasts:
         lines.append(f"last checkpoint {relative_to_cwd(lasts[0])}  (resume: add --ckpt_path last)")
-    for folder in dict.fromkeys(c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)):
+    # Each folder once: the shipped ModelCheckpoint and StepCheckpoint share one, named relative and absolute.
+    folders = (c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint))
+    for folder in {Path(f).resolve() if f else f: f for f in folders}.values():
         saved = sorted(Path(folder).glob("*.ckpt")) if folder and Path(folder).is_dir() else []
         lines.append(f"checkpoints     {relative_to_cwd(folder)}: {len(saved)} file(s)" if saved else
                      f"checkpoints     none saved in {relative_to_cwd(folder)}")
