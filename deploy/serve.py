@@ -70,13 +70,12 @@ def load_served(path: str | Path, threshold: float | None = None) -> Served:
     (the validated weights), on the CPU in eval mode, fp32."""
     path = Path(path).expanduser()
     if path.is_dir():
-        from lightning_modules.pretrained import pretrained_network, read_config
+        from lightning_modules.pretrained import folder_threshold, pretrained_network, read_config
 
         config = read_config(path)
         multilabel = bool(config["multilabel"])
-        threshold = (threshold if threshold is not None else config.get("threshold") or 0.5) if multilabel else None
         return Served(pretrained_network(path, config), dict(config["preprocessing"]), list(config["class_names"]),
-                      multilabel, threshold)
+                      multilabel, folder_threshold(config, threshold) if multilabel else None)
     from deploy.export import load_for_export
 
     model, contract = load_for_export(path)

@@ -137,13 +137,17 @@ def from_pretrained(cls, name_or_path: str | Path, *, threshold: float | None = 
     multi-label model's threshold is the folder's unless `threshold` is given."""
     folder = local_folder(name_or_path)
     config = read_config(folder)
-    if threshold is None:
-        threshold = config.get("threshold") or 0.5
     hparams = model_hparams(config)
     hparams["net"] = network_factory(hparams["net"])
-    model = cls(**hparams, threshold=threshold, levers={"channels_last": False})
+    model = cls(**hparams, threshold=folder_threshold(config, threshold), levers={"channels_last": False})
     load_network_weights(model.net, folder, head=True)
     return model.float().eval()
+
+
+def folder_threshold(config: dict[str, Any], threshold: float | None = None) -> float:
+    """The threshold of a folder's model (`config`, its read_config): `threshold` where given, else the folder's; a
+    single-label folder has none, and its model keeps 0.5, which it never uses."""
+    return threshold if threshold is not None else config.get("threshold") or 0.5
 
 
 def pretrained_network(folder: str | Path, config: dict[str, Any]) -> nn.Module:

@@ -122,8 +122,8 @@ def wandb_offline_runs(run_dir: Path) -> list[tuple[dict, list[dict]]]:
 
 def wandb_run_record(run_dir: Path) -> dict:
     """The `run` record of the folder's one offline wandb run: its id, group, whether it resumes."""
-    records = [json.loads(line) for line in wandb_inspect(run_dir, "--json").splitlines() if line.strip()]
-    return next(r["run"] for r in records if r.get("type") == "run")
+    ((record, _),) = wandb_offline_runs(run_dir)
+    return record
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True,

@@ -447,7 +447,6 @@ def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
     assert left.user_attrs["final_metrics"] == {"val/acc": 0.75}
 
 
-
 # A sweep worker's part, in a process of its own: run_trial with argv[3] as the interpreter it starts.
 WORKER = """
 import sys
