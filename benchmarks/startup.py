@@ -7,7 +7,8 @@ Every `imgcls` command, DDP rank and sweep trial pays this once; a short run pay
 that Lightning starts runs the command again). The candidates run round-robin, each in a fresh interpreter:
 - baseline: `python -c "from training.cli.app import main; main()" fit ...`, the imports with the collector on;
 - `python -m training.cli fit ...` and the `imgcls` console script: the collector off during the imports, and what
-  they built frozen after them.
+  they built frozen after them; at the end, the process ends without tearing its heap down (`startup.run`);
+- the same start with the interpreter's teardown at the end: what `startup.run` saves.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ TITLE = "Process start-up"
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["fit", "--config", "configs/quickstart.yaml", "--print_config"]
 BASELINE = "imports as a library, collector on (baseline)"
+TEARDOWN = "imports frozen, the interpreter's teardown at exit"
 CANDIDATES = {
     BASELINE: [sys.executable, "-c", "from training.cli.app import main; main()"],
     "python -m training.cli": [sys.executable, "-m", "training.cli"],
     "imgcls (console script)": [str(Path(sys.executable).with_name("imgcls"))],
+    TEARDOWN: [sys.executable, "-c", "from training.cli.startup import begin, done; begin(); "
+               "from training.cli.app import main; done(); main()"],
 }
 
 
@@ -68,8 +72,12 @@ def render(r: dict) -> tuple[str, str]:
 def figures(r: dict) -> dict[str, str]:
     ratio = quartiles(_ratios(r, "python -m training.cli"))
     saved = statistics.median(r["times"][BASELINE]) - statistics.median(r["times"]["python -m training.cli"])
-    return {"ratio": f"{ratio['median']:.2f}x", "saved_s": f"{saved:.1f} s",
-            "spread": f"min-max {ratio['min']:.2f}-{ratio['max']:.2f} over {ratio['n']} turns"}
+    found = {"ratio": f"{ratio['median']:.2f}x", "saved_s": f"{saved:.1f} s",
+             "spread": f"min-max {ratio['min']:.2f}-{ratio['max']:.2f} over {ratio['n']} turns"}
+    if TEARDOWN in r["times"]:  # records made before the teardown was left out have no such row
+        exits = [t - f for t, f in zip(r["times"][TEARDOWN], r["times"]["python -m training.cli"], strict=True)]
+        found["exit_saved_s"] = f"{statistics.median(exits):.2f} s"
+    return found
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ worker) for each command. The forked process is what `python -m training.cli ARG
   in for it (its exit status, the signals sent to it) and takes it along when it dies;
 - the imports done with the collector off and then frozen, as training/cli/startup.py does them;
 - the random generators reseeded from the OS, as a fresh interpreter's are (a fork would share the server's);
-- it exits through the interpreter's normal shutdown (atexit handlers, flushed streams), or dies of its signal.
+- it exits as the process it stands for exits (an `imgcls` command through training.cli.startup.run: exit functions
+  run, streams flushed, its heap left to the OS), or dies of its signal.
 
 What differs: the imports ran once, in an environment the test's may not match where the libraries read it at import
 time. Two things are read that way here. The thread count, kernels and OpenMP's wait (IMPORTED below): a command or
@@ -66,6 +67,8 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 ENTRIES = {"training.cli.__main__": "training.cli.app:main", "training.sweeps.trial": "training.sweeps.trial:main",
            "tests.per_rank_run_dir": "tests.per_rank_run_dir:main", "benchmarks.gpu_check": "benchmarks.gpu_check:main",
            "benchmarks.plain_loop": "benchmarks.plain_loop:main", "benchmarks.serve": "benchmarks.serve:cli"}
+# The ones whose `python -m` run ends through training.cli.startup.run, as an imgcls process's does.
+STARTED = ("training.cli.__main__", "training.sweeps.trial")
 MODULES = ("training.cli", *ENTRIES)  # `-m training.cli` (a user, a test), `-m training.cli.__main__` (Lightning)
 
 
@@ -277,7 +280,13 @@ def _become(request: dict, launcher: Path) -> None:
     sys.executable = str(launcher)  # ...and sys.executable: the other ranks (and trials) are forked by the server too
     # another entry: tests/test_preloaded.py
     module, _, function = request.get("entry", ENTRIES[spec.name]).partition(":")
-    getattr(importlib.import_module(module), function)()
+    entry = getattr(importlib.import_module(module), function)
+    if spec.name in STARTED:
+        from training.cli.startup import run
+
+        run(entry)  # its end as the process's: exit functions, streams flushed, no teardown of the heap
+    else:
+        entry()
     raise SystemExit(0)
 
 

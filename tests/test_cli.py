@@ -277,3 +277,53 @@ def test_both_entry_points_freeze_their_imports_and_run_with_the_collector_on():
     for entry, state in found.items():
         count, collector = state.split(" frozen, collector ")
         assert int(count) > 100_000 and collector == "on", (entry, state)
+
+
+EXIT_PROBE = """
+import atexit, sys, threading, time
+from pathlib import Path
+from training.cli import startup
+
+out, how = Path(sys.argv[1]), sys.argv[2]
+
+
+class Freed:  # a module's object: only the interpreter's teardown frees it
+    def __init__(self, path):
+        self.path = path
+
+    def __del__(self, open=open):  # bound now: the teardown empties the builtins before it gets here
+        open(self.path, "w").close()
+
+
+kept = Freed(str(out / "freed"))
+
+
+def command():
+    atexit.register(lambda: (out / "exit_function").touch())
+    threading.Thread(target=lambda: time.sleep(0.5) or (out / "thread").touch()).start()  # not a daemon
+    sys.stdout.write("the last line, without its newline")  # buffered: a pipe
+    if how not in ("return", "plain"):
+        sys.exit(int(how) if how.isdigit() else how)
+
+
+startup.run(command) if how != "plain" else command()
+"""
+
+
+@pytest.mark.parametrize("how, status", [("return", 0), ("3", 3), ("refused: the reason", 1), ("plain", 0)])
+def test_an_imgcls_process_ends_with_its_status_after_its_threads_and_exit_functions_without_teardown(
+        tmp_path, how, status):
+    """startup.run: once the command has returned or exited, the interpreter joins the threads and runs the exit
+    functions as always, and the process ends with the command's status and its output flushed, but no object of its
+    heap is freed one by one (a module's `__del__` does not run); "plain", the command without run: the teardown
+    frees it, so the probe tells the two apart."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), how], cwd=CONFIGS.parent, env=cli_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert proc.stdout == "the last line, without its newline"
+    assert proc.stderr.strip() == (how if status == 1 else "")  # SystemExit's message, printed by the interpreter
+    assert (tmp_path / "thread").exists() and (tmp_path / "exit_function").exists()
+    assert (tmp_path / "freed").exists() == (how == "plain")

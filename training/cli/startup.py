@@ -3,7 +3,7 @@ is then frozen (`gc.freeze`), so that no collection walks it again.
 
 The imports (torch, Lightning, torchmetrics, torchvision, jsonargparse) build ~450,000 long-lived objects. With the
 collector on, Python walks them in full collections while importing, and again when the interpreter exits; frozen,
-neither happens, and every command, DDP rank and sweep trial starts and exits sooner (`python -m
+neither happens, and every command, DDP rank and sweep trial starts sooner (`python -m
 benchmarks.startup` measures by how much; docs/DESIGN.md quotes it). The cost is the cyclic garbage the imports
 leave behind (~13,000 objects, a few MB), which is kept instead of collected. Objects made after the start (the
 Trainer, the model, the loaders) are collected as usual, and a forked loader worker shares the frozen ones' pages
@@ -16,14 +16,47 @@ its loggers a console handler of their own and stops them propagating; where it 
 library imported first that configured logging), it leaves the lines to the root logger's handlers, in their format,
 and its `lightning` logger prints each a second time as "INFO: ...". `console` makes the first case the only one.
 
-`imgcls` (the console script) and `python -m training.cli` (__main__.py) run `main` here, `begin` and `done` around the
-imports. Code that imports `training.cli.app` as a library (tests, notebooks) is left alone.
+At the end, `run` ends the process without tearing its heap down: the interpreter frees every object one by one
+before it exits (the imports' ones too, frozen or not), which a process that is about to end has no use for, and in
+a forked process each freed object's page is copied first. Once the command has returned or exited, the interpreter
+joins the non-daemon threads and runs the exit functions (W&B's, multiprocessing's, the loggers'), as always; the
+last of them, registered here before any other, flushes stdout and stderr and ends the process with the command's
+exit status (`os._exit`). What it costs: a `__del__` that has not run by then does not run, so whatever writes a file
+closes it itself (the loggers' `finalize`, the checkpoint writer's `teardown`, `with open(...)`). An exception other
+than SystemExit leaves the command, and the process ends the usual way.
+
+`imgcls` (the console script), `python -m training.cli` (__main__.py) and a sweep's trial (`python -m
+training.sweeps.trial`) run `main` here: `begin` and `done` around the imports, then the command through `run`. Code
+that imports `training.cli.app` as a library (tests, notebooks) is left alone.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
-import logging
+import os
+import sys
+from collections.abc import Callable
+
+_status: int | None = None  # the exit status of the command `run` ran, once it has ended
+
+
+def _end_without_teardown() -> None:
+    """The process's last exit function: after `run`, once the interpreter has joined the non-daemon threads and run
+    the other exit functions, the streams are flushed and the process ends, its heap left to the operating system."""
+    if _status is None:  # no command ended through `run` (an import as a library, an uncaught exception): as usual
+        return
+    logging.shutdown()  # imported after this was registered: its own exit function would run after this one
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a reader gone
+            pass
+    os._exit(_status)
+
+
+atexit.register(_end_without_teardown)  # before any other (this module's imports included): it runs last
+import logging  # noqa: E402
 
 # The loggers of the announcements: `rank_zero_info` logs to lightning.pytorch's, Lightning's Fabric to its own.
 ANNOUNCERS = ("lightning.pytorch", "lightning.fabric")
@@ -52,11 +85,26 @@ def console() -> None:
             logger.propagate = False
 
 
-def main() -> None:
-    """The `imgcls` console script."""
+def main(entry: Callable[[], object] | None = None) -> None:
+    """The `imgcls` console script; `entry`, another command of an `imgcls` process (a sweep's trial), started the
+    same way."""
     begin()
     try:
         from training.cli.app import main as cli
     finally:
         done()
-    cli()
+    run(entry or cli)
+
+
+def run(command: Callable[[], object]) -> None:
+    """Run the process's command; once it has returned or exited, the process ends as the interpreter ends it
+    (non-daemon threads joined, exit functions run, streams flushed) with the same status, without the teardown of
+    its heap (`python -m benchmarks.startup` measures what that saves). Any other exception: the usual end."""
+    global _status
+    try:
+        command()
+    except SystemExit as stop:
+        code = stop.code
+        _status = 0 if code is None else code if isinstance(code, int) else 1  # a message: printed, status 1
+        raise
+    _status = 0

@@ -163,4 +163,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from training.cli.startup import main as start
+
+    start(main)  # its imports frozen and its exit, as every imgcls process's (training/cli/startup.py)
