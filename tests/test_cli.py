@@ -299,6 +299,9 @@ kept = Freed(str(out / "freed"))
 
 
 def command():
+    global log
+    log = open(out / "log.txt", "w")  # a user's callback's own log, never closed: its line sits in the buffer
+    log.write("a line never flushed")
     atexit.register(lambda: (out / "exit_function").touch())
     threading.Thread(target=lambda: time.sleep(0.5) or (out / "thread").touch()).start()  # not a daemon
     sys.stdout.write("the last line, without its newline")  # buffered: a pipe
@@ -314,9 +317,9 @@ startup.run(command) if how != "plain" else command()
 def test_an_imgcls_process_ends_with_its_status_after_its_threads_and_exit_functions_without_teardown(
         tmp_path, how, status):
     """startup.run: once the command has returned or exited, the interpreter joins the threads and runs the exit
-    functions as always, and the process ends with the command's status and its output flushed, but no object of its
-    heap is freed one by one (a module's `__del__` does not run); "plain", the command without run: the teardown
-    frees it, so the probe tells the two apart."""
+    functions as always, and the process ends with the command's status, its output and its open files flushed, but
+    no object of its heap is freed one by one (a module's `__del__` does not run); "plain", the command without run:
+    the teardown frees it, so the probe tells the two apart."""
     import subprocess
     import sys
 
@@ -326,4 +329,5 @@ def test_an_imgcls_process_ends_with_its_status_after_its_threads_and_exit_funct
     assert proc.stdout == "the last line, without its newline"
     assert proc.stderr.strip() == (how if status == 1 else "")  # SystemExit's message, printed by the interpreter
     assert (tmp_path / "thread").exists() and (tmp_path / "exit_function").exists()
+    assert (tmp_path / "log.txt").read_text() == "a line never flushed"  # flushed, as the teardown flushes a file
     assert (tmp_path / "freed").exists() == (how == "plain")

@@ -20,10 +20,10 @@ At the end, `run` ends the process without tearing its heap down: the interprete
 before it exits (the imports' ones too, frozen or not), which a process that is about to end has no use for, and in
 a forked process each freed object's page is copied first. Once the command has returned or exited, the interpreter
 joins the non-daemon threads and runs the exit functions (W&B's, multiprocessing's, the loggers'), as always; the
-last of them, registered here before any other, flushes stdout and stderr and ends the process with the command's
-exit status (`os._exit`). What it costs: a `__del__` that has not run by then does not run, so whatever writes a file
-closes it itself (the loggers' `finalize`, the checkpoint writer's `teardown`, `with open(...)`). An exception other
-than SystemExit leaves the command, and the process ends the usual way.
+last of them, registered here before any other, flushes the files still open for writing (as freeing them would),
+stdout and stderr, and ends the process with the command's exit status (`os._exit`). What it costs: any other
+`__del__` that has not run by then does not run. An exception other than SystemExit leaves the command, and the
+process ends the usual way.
 
 `imgcls` (the console script), `python -m training.cli` (__main__.py) and a sweep's trial (`python -m
 training.sweeps.trial`) run `main` here: `begin` and `done` around the imports, then the command through `run`. Code
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import io
 import os
 import sys
 from collections.abc import Callable
@@ -47,10 +48,13 @@ def _end_without_teardown() -> None:
     if _status is None:  # no command ended through `run` (an import as a library, an uncaught exception): as usual
         return
     logging.shutdown()  # imported after this was registered: its own exit function would run after this one
-    for stream in (sys.stdout, sys.stderr):
+    # What the teardown would have flushed as it freed them: the files still open for writing (a callback's own log
+    # that it never closed), made during the command (not frozen: gc.get_objects lists them), then stdout and stderr.
+    opened = [o for o in gc.get_objects() if type(o) in (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)]
+    for stream in (*opened, sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # closed, or a reader gone
+        except (OSError, ValueError):  # closed, read-only, or a reader gone
             pass
     os._exit(_status)
 
