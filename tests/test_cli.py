@@ -233,8 +233,15 @@ def test_the_compile_lever_runs_a_compiled_step(tmp_path, digits_root):
 
 
 STARTUP_PROBE = """
-import gc, runpy, sys
+import gc, json, os, runpy, sys
+import optuna
 from training.cli import startup
+# A sweep's trial process reads its trial from the study (training.sweeps.trial): one, asked of a journal file.
+url = "journal:///" + os.path.join(sys.argv[1], "study.journal")
+from training.sweeps.trial import open_storage
+optuna.create_study(study_name="probe", storage=open_storage(url), direction="maximize").ask()
+os.environ["IMGCLS_SWEEP_TRIAL"] = json.dumps({"storage": url, "study": "probe", "trial_number": 0,
+                                               "metric": "val/acc", "hyperband": None})
 sys.argv = ["imgcls", "fit", "--config", "configs/quickstart.yaml", "--print_config"]
 collections = lambda: sum(generation["collections"] for generation in gc.get_stats())
 begin, done, started = startup.begin, startup.done, []
@@ -245,35 +252,36 @@ def counted_done():  # the collections run between begin and done: while the imp
     print(f"collections while importing: {collections() - started.pop()}", file=sys.stderr)
     done()
 startup.begin, startup.done = counted_begin, counted_done
-for entry in ("python -m training.cli", "imgcls"):
+for entry in ("python -m training.cli", "imgcls", "python -m training.sweeps.trial"):
     gc.unfreeze()
     try:
         if entry == "imgcls":
             startup.main()
         else:
-            runpy.run_module("training.cli", run_name="__main__")
+            runpy.run_module(entry.split()[-1], run_name="__main__")
     except SystemExit as stop:
         assert stop.code in (None, 0), stop.code
     print(f"{entry}: {gc.get_freeze_count()} frozen, collector {'on' if gc.isenabled() else 'off'}", file=sys.stderr)
 """
 
 
-def test_both_entry_points_freeze_their_imports_and_run_with_the_collector_on():
-    """`imgcls` and `python -m training.cli` import with the cyclic collector off (no collection runs), freeze what
-    the imports built, and run the command with the collector back on (training/cli/startup.py). The probe runs each
-    entry in one fresh interpreter, so this process's objects stay unfrozen."""
+def test_every_entry_point_freezes_its_imports_and_runs_with_the_collector_on(tmp_path):
+    """`imgcls`, `python -m training.cli` and a sweep's trial process import with the cyclic collector off (no
+    collection runs), freeze what the imports built, and run the command with the collector back on
+    (training/cli/startup.py). The probe runs each entry in one fresh interpreter, so this process's objects stay
+    unfrozen."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", STARTUP_PROBE], cwd=CONFIGS.parent, env=cli_env(),
+    proc = subprocess.run([sys.executable, "-c", STARTUP_PROBE, str(tmp_path)], cwd=CONFIGS.parent, env=cli_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "trainer:" in proc.stdout  # each entry ran the command
+    assert proc.stdout.count("trainer:") == 3  # each entry ran the command
     found = dict(line.split(": ", 1) for line in proc.stderr.splitlines() if line.startswith(("python -m", "imgcls:")))
-    assert set(found) == {"python -m training.cli", "imgcls"}, proc.stderr[-3000:]
+    assert set(found) == {"python -m training.cli", "imgcls", "python -m training.sweeps.trial"}, proc.stderr[-3000:]
     # Each entry's imports ran no collection (a first import of torch and Lightning runs dozens with it on).
     assert [line for line in proc.stderr.splitlines() if line.startswith("collections while importing")] == \
-        ["collections while importing: 0"] * 2, proc.stderr[-3000:]
+        ["collections while importing: 0"] * 3, proc.stderr[-3000:]
     for entry, state in found.items():
         count, collector = state.split(" frozen, collector ")
         assert int(count) > 100_000 and collector == "on", (entry, state)
