@@ -4,6 +4,7 @@
     make gpu-check           # on the CUDA machine, .whl/ carried along: the sections below, within 8 min
     GPU_CHECK_OUT=DIR make gpu-check  # also copies each record to DIR as soon as it is stored
     make gpu-check --dry-run # (make's -n) anywhere: the same sections at tiny sizes on whatever device there is
+    python3 -m benchmarks.gpu_check --only NAME ...  # only these sections: what a cut-short call left undone
 
 The sections are `pytest -m cuda` (benchmarks/cuda_tests.py), the synthetic step (gpu_throughput) and the end to
 end fit of both data paths (gpu_end_to_end). A full run stores each section's record where every benchmark keeps
@@ -65,7 +66,7 @@ def install(folder: Path) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
 
 
-def check(dry_run: bool, wheels: Path, out: Path | None = None) -> list[str]:
+def check(dry_run: bool, wheels: Path, out: Path | None = None, only: tuple[str, ...] = SECTIONS) -> list[str]:
     """Run SECTIONS one by one (one that fails does not stop the others); each record, once stored, is copied to
     `out` too, so a call cut short by its time limit still returns what it finished. The sections that failed."""
     install(wheels)
@@ -78,10 +79,10 @@ def check(dry_run: bool, wheels: Path, out: Path | None = None) -> list[str]:
     results = (page or run.QUICK_DIR / "PERFORMANCE.md").parent / "results" if dry_run else figures.RESULTS
     folder = results / "machines" / figures.machine_slug(machine_info())
     failed = []
-    for name in SECTIONS:
+    for name in only:
         try:
             run.main(quick=dry_run, out=page, only=(name,))
-        except RuntimeError as error:
+        except Exception as error:  # a section's failure or its page's: the next section runs all the same
             failed.append(name)
             print(error, flush=True)
         if out is not None and (folder / f"{name}.json").is_file():
@@ -97,10 +98,12 @@ def main() -> None:
     parser.add_argument("--prepare", action="store_true", help="download the wheels into --wheels and stop")
     parser.add_argument("--out", type=Path, default=os.environ.get("GPU_CHECK_OUT"),
                         help="also copy each record here as soon as it is stored (default $GPU_CHECK_OUT)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS,
+                        help="run these sections only (a rerun of the ones a cut-short call did not finish)")
     args = parser.parse_args()
     if args.prepare:
         prepare(args.wheels)
-    elif failed := check(args.dry_run, args.wheels, args.out):
+    elif failed := check(args.dry_run, args.wheels, args.out, tuple(args.only)):
         raise SystemExit(f"gpu-check: {', '.join(failed)} failed")
 
 

@@ -26,7 +26,6 @@ from benchmarks.common import cores, interleaved, mean_jpeg_kb, one_torch_thread
 from benchmarks.input_pipeline import per_image_with_workers
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import ScanCache
-from datamodules.shards import ShardsDataModule, prepare_data
 
 TITLE = "Streaming shards"
 FOLDER = "image folder (ImageFolderDataModule)"
@@ -37,6 +36,9 @@ SHARDS_READ = "LitData shards, read only (augment_on_device)"
 
 def loaders(folder: Path, shards: Path, size: int, batch: int, workers: int) -> dict[str, Callable[[], DataLoader]]:
     """name -> a function making that training loader (a new one, and new workers, each call)."""
+    from datamodules.shards import ShardsDataModule  # here, not at the top: the figures import this module for its
+    # TITLE, also where LitData is not installed (a lent GPU machine rendering its own sections)
+
     def make(root: Path, source: type, read_only: bool) -> Callable[[], DataLoader]:
         dm = source(root=str(root), batch_size=batch, num_workers=workers, image_size=size, persistent_workers=False,
                     augment_on_device=read_only)
@@ -64,6 +66,8 @@ def folder_bytes(root: Path) -> int:
 
 
 def main(quick: bool = False) -> dict:
+    from datamodules.shards import prepare_data
+
     count, (w, h) = (50, (160, 120)) if quick else (2000, (500, 375))
     size, batch, reps = (64, 8, 1) if quick else (224, 64, 24)
     workers, worker_batches, worker_reps = (1, 1, 1) if quick else (cores(), 8, 9)

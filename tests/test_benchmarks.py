@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -163,6 +164,31 @@ def test_make_gpu_check_dry_run_runs_every_gpu_section_on_the_cpu(tmp_path):
     end_to_end = tables["GPU end to end"]  # both data paths through imgcls fit
     assert [r[0] for r in end_to_end[1:]] == list(gpu_end_to_end.PATHS.values())
     assert all(_num(r[1]) > 0 and _num(r[3]) > 0 for r in end_to_end[1:])
+
+
+# The project's dependencies (and extras) that a lent GPU machine's image lacks and the GPU check does not carry.
+NOT_ON_THE_GPU_MACHINE = ("litdata", "optuna", "wandb", "litserve", "datasets")
+
+
+def test_the_gpu_check_renders_its_page_without_the_packages_a_gpu_machine_lacks():
+    """The GPU check renders docs/PERFORMANCE.md after each section, importing every section's module for its title:
+    none may need, at import, a package that the GPU machine lacks (it once failed there for want of LitData)."""
+    probe = f"""
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {NOT_ON_THE_GPU_MACHINE!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Absent())
+from benchmarks import figures
+page = figures.rendered(docs=False)[figures.PERFORMANCE]
+print(sum(f"## {{figures._module(name).TITLE}}" in page for name in figures.SECTIONS), len(figures.SECTIONS))
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=figures.ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(figures.ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found, sections = map(int, proc.stdout.split())
+    assert found == sections
 
 
 def test_interleaved_takes_medians_round_robin():
