@@ -137,8 +137,8 @@ def section(name: str, runs: dict | list[dict] | None) -> str:
             body, settings = module.render(run["results"])
         else:
             body, settings = f"Not measured: {run['results']['skipped']}.", "Skipped"
-        if run.get("restored"):
-            settings += f" ({run['restored']})"
+        if run.get("note"):  # what the run itself did not write: how it was run, or what its figures include
+            settings += f" ({run['note']})"
         parts.append(f"{body}\n\n_{settings}. `python -m benchmarks.{name}`. Machine: {run['machine']['line']}._\n\n"
                      f"_Took {duration(run['seconds'])} ({run['mode']} mode)._\n")
     return "\n".join(parts)

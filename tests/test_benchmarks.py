@@ -292,3 +292,18 @@ def test_the_end_to_end_split_adds_up_to_the_wall_time():
     assert (r["step_ms"], r["augment_ms"]) == pytest.approx((1000, 100)) and r["wait_ms"] == pytest.approx(300)
     with pytest.raises(ValueError, match="no timed steps"):
         gpu_end_to_end.summarise(steps[:1], batch=256, warmup=1)
+
+
+def test_the_end_to_end_page_names_a_timed_step_far_slower_than_the_others():
+    """A recompilation inside the timed steps (as the H200's first run had, at the end of a frozen epoch) makes the
+    mean no steady state: the page says which path had it, with the slowest step against the median."""
+    def record(slow_s: float) -> dict:
+        steps = [{"gap_s": 0.002, "augment_s": 0.001, "step_s": 0.04}] * 10 + \
+                [{"gap_s": 0.5, "augment_s": 0.001, "step_s": slow_s}]
+        return {"device": "GPU", "dry_run": False, "images": 6000, "steps": 11, "warmup": 0, "workers": 16,
+                "paths": {"cpu_decode": gpu_end_to_end.summarise(steps, batch=256, warmup=0)}}
+
+    steady, _ = gpu_end_to_end.render(record(0.05))
+    stalled, _ = gpu_end_to_end.render(record(33.0))
+    assert "took" not in steady
+    assert "CPU decode in the loader workers: a timed step took 33,000 ms against a median of 40.0 ms" in stalled
