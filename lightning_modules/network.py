@@ -98,6 +98,9 @@ class BackboneWithHead(nn.Module):
                  head_hidden: NonNegativeInt = 1024, dropout: UnitIntervalRightOpen = 0.2) -> None:
         super().__init__()
         check_arguments("model.net", BackboneWithHead.__init__, {"head_hidden": head_hidden, "dropout": dropout})
+        # The CLI's values are jsonargparse's int and float subclasses: torch.compile (dynamo of torch 2.11) breaks the
+        # graph at a Dropout whose p is one. The modules get plain numbers.
+        head_hidden, dropout = int(head_hidden), float(dropout)
         backbone, name = _classification_model(arch)
         if weights is not None:
             load_backbone_weights(backbone, arch, weights, head_prefix=f"{name}.")

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from core.config_types import instantiate
 from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier, Levers, Recipe
 from lightning_modules.losses import BinaryCrossEntropy
@@ -555,3 +556,16 @@ def test_lamb_is_timms_and_trains_with_the_projects_parameter_groups():
     assert isinstance(optimizer, Lamb) and len(optimizer.param_groups) == 4
     assert [g["initial_lr"] for g in optimizer.param_groups] == pytest.approx([0.008] * 4)
     assert not torch.equal(model.net.head[0].weight, before) and torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_a_network_from_the_cli_holds_plain_numbers():
+    """The CLI parses model.net's numbers into jsonargparse's restricted int and float subclasses; the network's
+    modules must hold plain ones: with the subclass as Dropout's p, torch.compile of torch 2.11 broke the compiled
+    forward in two at the head (seen on an H200)."""
+    net = instantiate(nn.Module, {"class_path": "lightning_modules.network.BackboneWithHead",
+                                  "init_args": {"num_classes": 3, "arch": "resnet18", "head_hidden": 8,
+                                                "dropout": 0.2}})
+    numbers = {f"{name}.{key}": type(value) for name, module in net.named_modules()
+               for key, value in vars(module).items() if isinstance(value, int | float) and not isinstance(value, bool)}
+    assert numbers["head.2.p"] is float and numbers["head.0.out_features"] is int
+    assert {kind for kind in numbers.values()} <= {int, float}, numbers
