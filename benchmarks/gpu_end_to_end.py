@@ -12,10 +12,11 @@ training (`freeze.epochs 0`: the config's frozen first epoch would end inside th
 recompiles the network when its parameters start to need gradients). Each path is one `imgcls fit` process of its own
 (`python -m training.cli`), whose `StepClock` callback times every step:
 
-- img/s over the timed steps, after the warm-up steps (cuDNN autotuning, compilation);
-- the GPU's busy fraction: the time CUDA events bracket around each training step, over the wall time;
-- where the time goes per step: the training step itself, the device decode and augmentation (timed inside the
-  DataModule's `on_after_batch_transfer`), and the wait for the loader (the rest of the gap between two steps).
+- img/s over the timed steps, after the warm-up steps (cuDNN autotuning, compilation), and the wall time a step;
+- the GPU's busy fraction: the GPU's time inside the training steps (CUDA events around each), over the wall time;
+- the device's time decoding and augmenting a batch (`data.augment_on_device`; events around the DataModule's
+  `on_after_batch_transfer`), and the host's time between two steps: fetching the next batch from the loader
+  workers, its copy and the device transforms' launch (free while the GPU still runs queued work).
 """
 
 from __future__ import annotations
@@ -39,90 +40,98 @@ PATHS = {"cpu_decode": "CPU decode in the loader workers", "augment_on_device": 
 
 
 class StepClock(Callback):
-    """Times each training step, the device-side decode and augmentation inside it, and the wait in between; writes
-    them as JSON to `out` at the end of the fit (rank 0). On CUDA each step is also bracketed by CUDA events (the
-    GPU's span of the step). The clock synchronises after each step and around the device-side transforms, so that the
-    split is exact; that costs the overlap of a step's launch with the previous step's GPU work."""
+    """Times the training steps of a fit without synchronising them one by one (a synchronisation per step would keep
+    the host from queueing a step while the GPU runs the one before): the host's clock at each step's start and end,
+    and on CUDA events around each step and around the device-side decode and augmentation, read after the fit. The
+    timed window is bracketed by the only two synchronisations: after the last warm-up step and at the end of
+    training. Writes JSON to `out` at the end of the fit (rank 0)."""
 
-    def __init__(self, out: str) -> None:
-        self.out = out
+    def __init__(self, out: str, warmup: int = 0) -> None:
+        self.out, self.warmup = out, warmup
         self.steps: list[dict] = []
-        self._mark = self._start = None
-        self._events: list[tuple] = []
-        self._augment = 0.0
+        self._events: list[list] = []  # per step: [step begin, step end, *augment begin/end pairs]
+        self._augment: list = []  # what the device transforms of the next step's batch took: events, or host seconds
+        self._window: list[float] = []
+        self._cuda = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._cuda = trainer.strategy.root_device.type == "cuda"  # the module is moved there after this hook
         datamodule = trainer.datamodule
         inner = datamodule.on_after_batch_transfer
 
         def timed(batch, dataloader_idx):
-            self._sync()
-            start = time.perf_counter()
+            if not trainer.training:
+                return inner(batch, dataloader_idx)
+            begin = self._mark()
             out = inner(batch, dataloader_idx)
-            self._sync()
-            if trainer.training:
-                self._augment += time.perf_counter() - start
+            self._augment.append((begin, self._mark()))
             return out
 
         datamodule.on_after_batch_transfer = timed
 
-    @staticmethod
-    def _sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    def _mark(self):
+        """A CUDA event recorded now on the current stream, or the host's clock without CUDA."""
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        now = time.perf_counter()
-        self._start = now
-        if torch.cuda.is_available():
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            self._events.append((begin,))
-        self.steps.append({"gap_s": (now - self._mark) if self._mark is not None else None,
-                           "augment_s": self._augment})
-        self._augment = 0.0
+        self.steps.append({"host_start_s": time.perf_counter()})
+        self._events.append([self._mark(), None, self._augment])
+        self._augment = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if torch.cuda.is_available():
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events[-1] = (self._events[-1][0], end)
-        self._sync()
-        self._mark = time.perf_counter()
-        self.steps[-1]["step_s"] = self._mark - self._start
+        self._events[-1][1] = self._mark()
+        self.steps[-1]["host_end_s"] = time.perf_counter()
+        if len(self.steps) == self.warmup:
+            self._window = [self._synchronized()]
+
+    def _synchronized(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._sync()
-        for step, events in zip(self.steps, self._events, strict=False):
-            if len(events) == 2:
-                step["gpu_s"] = events[0].elapsed_time(events[1]) / 1e3
+        self._window.append(self._synchronized())
+        for step, (begin, end, augment) in zip(self.steps, self._events, strict=True):
+            step["device_s"] = _elapsed(begin, end)
+            step["augment_s"] = sum(_elapsed(a, b) for a, b in augment)
         if trainer.is_global_zero:
-            Path(self.out).write_text(json.dumps({"steps": self.steps, "batch": trainer.datamodule.batch_size}))
+            Path(self.out).write_text(json.dumps({"steps": self.steps, "batch": trainer.datamodule.batch_size,
+                                                  "window_s": self._window[-1] - self._window[0],
+                                                  "cuda": self._cuda}))
 
 
-def summarise(steps: list[dict], batch: int, warmup: int) -> dict:
-    """img/s, GPU busy fraction and the per-step split of the timed steps (those after `warmup`)."""
+def _elapsed(begin, end) -> float:
+    return begin.elapsed_time(end) / 1e3 if isinstance(begin, torch.cuda.Event) else end - begin
+
+
+def summarise(clock: dict, warmup: int) -> dict:
+    """img/s, GPU busy fraction and per-step figures of the timed steps (those after `warmup`): `clock` as StepClock
+    writes it."""
+    steps, batch = clock["steps"], clock["batch"]
     timed = steps[warmup:]
-    if not timed:
-        raise ValueError(f"no timed steps: {len(steps)} steps ran, {warmup} of them warm-up")
-    wall = sum(s["step_s"] + (s["gap_s"] or 0.0) for s in timed)
-    step = sum(s["step_s"] for s in timed)
-    augment = sum(s["augment_s"] for s in timed)
-    gpu = sum(s.get("gpu_s", 0.0) for s in timed)
-    each = sorted(s["step_s"] for s in timed)
-    return {"steps": len(timed), "img_s": batch * len(timed) / wall,
-            "gpu_busy": gpu / wall if gpu else None,
-            "step_ms": 1e3 * step / len(timed), "augment_ms": 1e3 * augment / len(timed),
-            "wait_ms": 1e3 * max(0.0, wall - step - augment) / len(timed),
-            "median_step_ms": 1e3 * each[len(each) // 2], "slowest_step_ms": 1e3 * each[-1]}
+    if not timed or warmup < 1:
+        raise ValueError(f"no timed steps: {len(steps)} steps ran, {warmup} of them warm-up (at least 1)")
+    window = clock["window_s"]
+    pairs = list(zip(steps[warmup - 1:-1], timed, strict=True))  # each timed step after the step before it
+    # The host's time per step (its own step and the fetch before it): a recompilation or a stall shows here.
+    host = sorted(s["host_end_s"] - before["host_end_s"] for before, s in pairs)
+    return {"steps": len(timed), "img_s": batch * len(timed) / window, "step_ms": 1e3 * window / len(timed),
+            "gpu_busy": sum(s["device_s"] for s in timed) / window if clock["cuda"] else None,
+            "augment_ms": 1e3 * sum(s["augment_s"] for s in timed) / len(timed),
+            "wait_ms": 1e3 * sum(s["host_start_s"] - before["host_end_s"] for before, s in pairs) / len(timed),
+            "median_step_ms": 1e3 * host[len(host) // 2], "slowest_step_ms": 1e3 * host[-1]}
 
 
 # A timed step this many times the median is no steady state (a recompilation, a stall): the page says so.
 OUTLIER = 5.0
 
 
-def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps: int) -> list[dict]:
-    """One `imgcls fit` process of the production config on `root`, timed by StepClock; its steps."""
+def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps: int, warmup: int) -> dict:
+    """One `imgcls fit` process of the production config on `root`, timed by StepClock; what the clock wrote."""
     clock = out / "steps.json"
     args = ["fit", "--config", str(ROOT / "configs" / "imagenet_ddp8.yaml"), "--trainer.devices", "1",
             "--trainer.strategy", "auto", "--data.root", str(root), "--model.net.weights", "null",
@@ -133,7 +142,8 @@ def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps:
             "--trainer.default_root_dir", str(out), "--auto_resume", "false", "--freeze.epochs", "0",
             "--data.augment_on_device", str(augment_on_device).lower(),
             "--data.num_workers", str(cores()),
-            "--trainer.callbacks+=benchmarks.gpu_end_to_end.StepClock", f"--trainer.callbacks.out={clock}"]
+            "--trainer.callbacks+=benchmarks.gpu_end_to_end.StepClock", f"--trainer.callbacks.out={clock}",
+            f"--trainer.callbacks.warmup={warmup}"]
     if dry_run:  # tiny: whatever device there is, no compile
         args += ["--model.net.arch", "resnet18", "--model.net.head_hidden", "32", "--data.image_size", "64",
                  "--data.batch_size", "4", "--model.levers.compile", "false", "--trainer.accelerator", "auto",
@@ -145,7 +155,7 @@ def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps:
                           text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"imgcls fit exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(clock.read_text())["steps"]
+    return json.loads(clock.read_text())
 
 
 def main(quick: bool = False, dry_run: bool | None = None) -> dict:
@@ -161,19 +171,24 @@ def main(quick: bool = False, dry_run: bool | None = None) -> dict:
         for name in PATHS:
             out = Path(tmp) / name
             out.mkdir()
-            timed = fit(root, out, augment_on_device=name == "augment_on_device", dry_run=dry_run, steps=steps)
-            batch = 4 if dry_run else 256
-            paths[name] = summarise(timed, batch, warmup)
+            clock = fit(root, out, augment_on_device=name == "augment_on_device", dry_run=dry_run, steps=steps,
+                        warmup=warmup)
+            paths[name] = summarise(clock, warmup)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"device": device, "dry_run": dry_run, "images": count, "steps": steps, "warmup": warmup,
-            "workers": 1 if dry_run else cores(), "paths": paths}
+            "workers": 1 if dry_run else cores(), "paths": paths, "each_step_synchronised": False}
 
 
 def render(r: dict) -> tuple[str, str]:
     rows = [[PATHS[name], p["img_s"], f"{p['gpu_busy']:.0%}" if p["gpu_busy"] is not None else "no CUDA",
              p["step_ms"], p["augment_ms"], p["wait_ms"]] for name, p in r["paths"].items()]
-    body = table(["data path", "img/s", "GPU busy", "step ms", "on-device decode, augment, normalize ms",
-                  "loader wait ms"], rows)
+    synchronised = r.get("each_step_synchronised", True)  # the records stored before 2026-11-27 14:00 UTC
+    body = table(["data path", "img/s", "GPU busy", "step ms" if synchronised else "ms a step",
+                  "on-device decode, augment, normalize ms", "loader wait ms" if synchronised else
+                  "host between steps ms"], rows)
+    if synchronised:
+        body += ("\n\nTimed with a synchronisation after each step (the host could not queue a step ahead): "
+                 "step ms is the step alone, the loader wait the rest of the gap between two steps.")
     for name, p in r["paths"].items():
         if p.get("slowest_step_ms", 0.0) > OUTLIER * p.get("median_step_ms", float("inf")):
             body += (f"\n\n{PATHS[name]}: a timed step took {p['slowest_step_ms']:,.0f} ms against a median of "

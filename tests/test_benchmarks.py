@@ -163,6 +163,7 @@ def test_make_gpu_check_dry_run_runs_every_gpu_section_on_the_cpu(tmp_path):
     assert [r[0] for r in tables["GPU throughput"][1:]] == ["fp32, NCHW, eager", "channels_last + 16-mixed + fused SGD"]
     end_to_end = tables["GPU end to end"]  # both data paths through imgcls fit
     assert [r[0] for r in end_to_end[1:]] == list(gpu_end_to_end.PATHS.values())
+    assert end_to_end[0][3] == "ms a step"  # the steps timed without a synchronisation each
     assert all(_num(r[1]) > 0 and _num(r[3]) > 0 for r in end_to_end[1:])
 
 
@@ -281,29 +282,43 @@ def test_hardware_benchmark_times_the_quickstarts_step():
         config["data"]["batch_size"])
 
 
-def test_the_end_to_end_split_adds_up_to_the_wall_time():
-    """benchmarks/gpu_end_to_end.py: img/s over the timed steps, and step + on-device work + loader wait per step."""
-    steps = [{"gap_s": None, "augment_s": 0.5, "step_s": 9.0},  # warm-up (compilation): left out
-             {"gap_s": 0.3, "augment_s": 0.1, "step_s": 1.0, "gpu_s": 0.9},
-             {"gap_s": 0.5, "augment_s": 0.1, "step_s": 1.0, "gpu_s": 0.9}]
-    r = gpu_end_to_end.summarise(steps, batch=256, warmup=1)
-    assert r["steps"] == 2 and r["img_s"] == pytest.approx(512 / 2.8)
+def _clock(steps: list[tuple[float, float, float, float]], window_s: float) -> dict:
+    """What StepClock writes for steps of (host time before the step, host time in it, GPU time in it, device
+    transforms' time), one after the other from 0 s."""
+    now, written = 0.0, []
+    for before, inside, device, augment in steps:
+        written.append({"host_start_s": now + before, "host_end_s": now + before + inside, "device_s": device,
+                        "augment_s": augment})
+        now += before + inside
+    return {"steps": written, "batch": 256, "window_s": window_s, "cuda": True}
+
+
+def test_the_end_to_end_figures_come_from_the_timed_window():
+    """benchmarks/gpu_end_to_end.py: img/s and the wall time a step over the window between the two synchronisations
+    (after the warm-up, at the end), the GPU's busy fraction from its time inside the steps, and per step the device
+    transforms' time and the host's time between steps."""
+    clock = _clock([(0.0, 9.0, 9.0, 0.5),  # warm-up (compilation): left out
+                    (0.3, 0.2, 0.9, 0.1), (0.5, 0.2, 0.9, 0.1)], window_s=2.8)
+    r = gpu_end_to_end.summarise(clock, warmup=1)
+    assert r["steps"] == 2 and r["img_s"] == pytest.approx(512 / 2.8) and r["step_ms"] == pytest.approx(1400)
     assert r["gpu_busy"] == pytest.approx(1.8 / 2.8)
-    assert (r["step_ms"], r["augment_ms"]) == pytest.approx((1000, 100)) and r["wait_ms"] == pytest.approx(300)
-    with pytest.raises(ValueError, match="no timed steps"):
-        gpu_end_to_end.summarise(steps[:1], batch=256, warmup=1)
+    assert (r["augment_ms"], r["wait_ms"]) == pytest.approx((100, 400))
+    assert (r["median_step_ms"], r["slowest_step_ms"]) == pytest.approx((700, 700))
+    for warmup in (0, 3):  # the window starts after a warm-up step, and must hold a step
+        with pytest.raises(ValueError, match="no timed steps"):
+            gpu_end_to_end.summarise(clock, warmup=warmup)
 
 
 def test_the_end_to_end_page_names_a_timed_step_far_slower_than_the_others():
     """A recompilation inside the timed steps (as the H200's first run had, at the end of a frozen epoch) makes the
     mean no steady state: the page says which path had it, with the slowest step against the median."""
     def record(slow_s: float) -> dict:
-        steps = [{"gap_s": 0.002, "augment_s": 0.001, "step_s": 0.04}] * 10 + \
-                [{"gap_s": 0.5, "augment_s": 0.001, "step_s": slow_s}]
-        return {"device": "GPU", "dry_run": False, "images": 6000, "steps": 11, "warmup": 0, "workers": 16,
-                "paths": {"cpu_decode": gpu_end_to_end.summarise(steps, batch=256, warmup=0)}}
+        clock = _clock([(0.0, 5.0, 5.0, 0.0)] + [(0.002, 0.038, 0.038, 0.001)] * 10 + [(0.002, slow_s, 0.04, 0.001)],
+                       window_s=0.4 + slow_s)
+        return {"device": "GPU", "dry_run": False, "images": 6000, "steps": 12, "warmup": 1, "workers": 16,
+                "paths": {"cpu_decode": gpu_end_to_end.summarise(clock, warmup=1)}, "each_step_synchronised": False}
 
     steady, _ = gpu_end_to_end.render(record(0.05))
     stalled, _ = gpu_end_to_end.render(record(33.0))
     assert "took" not in steady
-    assert "CPU decode in the loader workers: a timed step took 33,000 ms against a median of 40.0 ms" in stalled
+    assert "CPU decode in the loader workers: a timed step took 33,002 ms against a median of 40.0 ms" in stalled
