@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from core.seeding import batch_seed
+from core.seeding import batch_seed, seeded_cpu_draws
 from datamodules.datasets import stack_images
 from datamodules.images import decode_images
 from datamodules.presets import float_stage
@@ -60,20 +60,22 @@ class DeviceBatches:
                 seed: int | list[int] | None = None) -> torch.Tensor:
         """``augment_on_device``: files read by the workers -> a uint8 (B, 3, S, S) batch on `device`.
 
-        The transforms run image by image (each draws its own crop); with `seed`, from a generator forked for this
-        batch, or with a list, one per image (the training draws' seeds: the crops the workers would have drawn), so
-        that the draws do not depend on what else consumed random numbers before.
+        The transforms run image by image (each draws its own crop); with `seed`, from the CPU's generator seeded for
+        this batch, or with a list, for each image (the training draws' seeds: the crops the workers would have
+        drawn), so that the draws do not depend on what else consumed random numbers before; the generator's state
+        is restored after.
         """
         transform = self.transforms["train" if train else "eval"]
         images = decode_images(items, device)
         if seed is None:
             return stack_images([transform(image) for image in images])
-        out = []
-        with torch.random.fork_rng(devices=[]):  # the transforms draw their parameters on the CPU
-            for i, image in enumerate(images):
-                if isinstance(seed, list):
-                    torch.manual_seed(seed[i])
-                elif i == 0:
-                    torch.manual_seed(seed)
-                out.append(transform(image))
-        return stack_images(out)
+        # The transforms draw their parameters from the CPU's generator alone: no other device's is reseeded (the
+        # GPU's dropout stream is not the data's to set).
+        if isinstance(seed, list):
+            out = []
+            for own, image in zip(seed, images, strict=True):
+                with seeded_cpu_draws(own):
+                    out.append(transform(image))
+            return stack_images(out)
+        with seeded_cpu_draws(seed):
+            return stack_images([transform(image) for image in images])
