@@ -49,7 +49,7 @@ class StepClock(Callback):
     def __init__(self, out: str, warmup: int = 0) -> None:
         self.out, self.warmup = out, warmup
         self.steps: list[dict] = []
-        self._events: list[list] = []  # per step: [step begin, step end, *augment begin/end pairs]
+        self._events: list[list] = []  # per step: [its begin, its end, its batch's device transforms' (begin, end)]
         self._augment: list = []  # what the device transforms of the next step's batch took: events, or host seconds
         self._window: list[float] = []
         self._cuda = False
