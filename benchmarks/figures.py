@@ -62,7 +62,8 @@ per machine in `benchmarks/results/machines/<machine>/<section>.json`, a section
 it, and this page, like every figure quoted in README.md and docs/, is rendered from those files by
 `python -m benchmarks.figures`. Regenerate with `make bench` (`make bench-quick` only checks that the
 benchmarks run, under runs/bench-quick/; `python -m benchmarks.run --only NAME` re-measures one section and keeps
-the others' results). Each section names the command that reproduces it alone, and the machine it ran on: CPU
+the others' results; the three GPU sections come from `make gpu-check` on a CUDA machine, benchmarks/gpu_check.py).
+Each section names the command that reproduces it alone, and the machine it ran on: CPU
 model, the flags that decide its levers (avx2, avx512f, avx512_bf16, amx_tile) and cores. A lever's gain depends on
 that machine (bf16 autocast is fast only on a CPU with native bf16; see Hardware), so read each figure with its
 machine line.
