@@ -5,11 +5,12 @@
 
 Unlike the GPU throughput section (a synthetic batch already on the GPU), every step here goes through the whole
 path: an image folder of photo-sized JPEGs on local disk, the DataModule's loader workers, the host-to-device copy,
-and either the workers' CPU decode and augmentation (`num_workers` = the host's cores) or `data.augment_on_device`
-(nvJPEG decode and the preset's augmentation on the GPU); then the production recipe of configs/imagenet_ddp8.yaml:
-`16-mixed`, channels_last, torch.compile and the fused optimizer, batch 256 at 224 px, with the whole network
-training (`freeze.epochs 0`: the config's frozen first epoch would end inside the timed steps, and torch.compile
-recompiles the network when its parameters start to need gradients). Each path is one `imgcls fit` process of its own
+and either the workers' CPU decode and augmentation (`data.num_workers` as the config leaves it: the host's CPUs per
+GPU, at most 8; the other CPUs run the training process) or `data.augment_on_device` (nvJPEG decode and the preset's
+augmentation on the GPU); then the production recipe of configs/imagenet_ddp8.yaml, its `auto` levers as they
+resolve on CUDA (`16-mixed`, channels_last, torch.compile), batch 256 at 224 px, with the whole network training
+(`freeze.epochs 0`: the config's frozen first epoch would end inside the timed steps, and torch.compile recompiles
+the network when its parameters start to need gradients). Each path is one `imgcls fit` process of its own
 (`python -m training.cli`), whose `StepClock` callback times every step:
 
 - img/s over the timed steps, after the warm-up steps (cuDNN autotuning, compilation), and the wall time a step;
@@ -32,7 +33,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
-from benchmarks.common import cores, photo_folder, standalone, table
+from benchmarks.common import photo_folder, standalone, table
+from core.hardware import choose_num_workers, detect
 
 TITLE = "GPU end to end"
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +143,6 @@ def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps:
             "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
             "--trainer.default_root_dir", str(out), "--auto_resume", "false", "--freeze.epochs", "0",
             "--data.augment_on_device", str(augment_on_device).lower(),
-            "--data.num_workers", str(cores()),
             "--trainer.callbacks+=benchmarks.gpu_end_to_end.StepClock", f"--trainer.callbacks.out={clock}",
             f"--trainer.callbacks.warmup={warmup}"]
     if dry_run:  # tiny: whatever device there is, no compile
@@ -176,7 +177,8 @@ def main(quick: bool = False, dry_run: bool | None = None) -> dict:
             paths[name] = summarise(clock, warmup)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"device": device, "dry_run": dry_run, "images": count, "steps": steps, "warmup": warmup,
-            "workers": 1 if dry_run else cores(), "paths": paths, "each_step_synchronised": False}
+            "workers": 1 if dry_run else choose_num_workers(detect(), "cuda")[0], "paths": paths,
+            "each_step_synchronised": False}
 
 
 def render(r: dict) -> tuple[str, str]:
