@@ -27,18 +27,35 @@ def cores() -> int:
     return hardware.detect().cores
 
 
+# What holds torch's and oneDNN's CPU kernels below what the CPU has (`.ci/as-avx2` sets both, and hides the CPU's
+# avx512/amx flags): figures measured so estimate another CPU kind. Their records say so, and are filed apart from
+# the records of a real machine of that kind, never over them.
+KERNEL_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def kernel_limits() -> dict[str, str]:
+    return {name: os.environ[name] for name in KERNEL_LIMITS if os.environ.get(name)}
+
+
+def _described() -> str:
+    limits = kernel_limits()
+    held = f" (an estimate: {', '.join(f'{k}={v}' for k, v in limits.items())})" if limits else ""
+    return hardware.detect().describe() + held
+
+
 def machine() -> str:
     """One line naming what the figures were measured on (CPU model and the flags that decide its levers, cores,
-    GPU), and how busy it was."""
+    GPU, any limit on the kernels), and how busy it was."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{hardware.detect().describe()}; torch {torch.__version__}; "
+    return (f"{_described()}; torch {torch.__version__}; "
             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; 1-minute load average {load:.1f}")
 
 
 def machine_info() -> dict:
     """What a result file records of the machine: the line above, and its parts for the figures that quote it."""
     hw = hardware.detect()
-    return {"line": machine(), "cpu": hw.describe(), "cpu_model": hw.cpu_model, "cpu_kind": hw.cpu_kind(),
+    kind = hw.cpu_kind() + (" estimate" if kernel_limits() else "")  # its own folder and figure keys
+    return {"line": machine(), "cpu": _described(), "cpu_model": hw.cpu_model, "cpu_kind": kind,
             "cpu_flags": {flag: flag in hw.cpu_flags for flag in hardware.CPU_FLAGS}, "cores": hw.cores,
             "cuda": hw.cuda, "torch": torch.__version__, "threads": torch.get_num_threads()}
 

@@ -322,3 +322,21 @@ def test_the_end_to_end_page_names_a_timed_step_far_slower_than_the_others():
     stalled, _ = gpu_end_to_end.render(record(33.0))
     assert "took" not in steady
     assert "CPU decode in the loader workers: a timed step took 33,002 ms against a median of 40.0 ms" in stalled
+
+
+def test_figures_measured_with_the_kernels_held_are_filed_as_an_estimate(monkeypatch, tmp_path):
+    """Under `.ci/as-avx2` (torch's and oneDNN's kernels held to AVX2, the CPU's avx512/amx flags hidden) a record
+    says it is an estimate, and is filed apart from a real machine's: it never replaces a real AVX2 CPU's figures."""
+    from benchmarks.common import KERNEL_LIMITS, machine_info
+
+    for name in KERNEL_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    real = machine_info()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    held = machine_info()
+    assert held["cpu_kind"] == f"{real['cpu_kind']} estimate"
+    assert held["cpu"] == f"{real['cpu']} (an estimate: ATEN_CPU_CAPABILITY=avx2)" and held["cpu"] in held["line"]
+    stored = [figures.store({"section": "startup", "mode": "full", "started": "2026-11-27 14:00 UTC", "seconds": 1.0,
+                             "machine": machine, "results": {"rows": {}}}, tmp_path) for machine in (real, held)]
+    assert stored[0] != stored[1] and all(path.is_file() for path in stored)
+    assert figures.kind_slug(held) == f"{figures.kind_slug(real)}-estimate"  # the docs' figure keys name it too
