@@ -168,11 +168,17 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
     assert "ckpt_path" in (run / "validate_config.yaml").read_text() and (run / "test_config.yaml").is_file()
 
 
-def test_progress_bar_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
-    """The quickstart lists a RichProgressBar; --trainer.enable_progress_bar false must still run, without a bar."""
-    cli = cli_main(["fit", *_tiny_fit_args(digits_root, tmp_path / "run", epochs=1), "--trainer.max_steps", "1",
-                    "--trainer.enable_progress_bar", "false"])
+def test_progress_bar_and_checkpoints_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
+    """The quickstart lists a RichProgressBar and two checkpoint callbacks, which Lightning refuses next to their
+    switches turned off (a traceback, before): --trainer.enable_progress_bar false and --trainer.enable_checkpointing
+    false must still run, without a bar and without a checkpoint. A user's own callbacks stay."""
+    run = tmp_path / "run"
+    cli = cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=1), "--trainer.max_steps", "1",
+                    "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
+                    "--trainer.callbacks+=tests.test_cli.EpochRecorder"])
     assert cli.trainer.global_step == 1 and cli.trainer.progress_bar_callback is None
+    assert cli.trainer.checkpoint_callbacks == [] and not list(run.rglob("*.ckpt"))
+    assert [c.epochs for c in cli.trainer.callbacks if isinstance(c, EpochRecorder)] == [[0]]
 
 
 class EpochRecorder(Callback):

@@ -131,7 +131,7 @@ def one_run_checkpoint(config) -> str | None:
     callbacks = config.trainer.callbacks
     if not isinstance(callbacks, list):  # none, or a single callback
         return None
-    ours = [i for i, c in enumerate(callbacks) if _names_subclass(c.class_path, ModelCheckpoint)]
+    ours = [i for i, c in enumerate(callbacks) if names_subclass(c.class_path, ModelCheckpoint)]
     if len(ours) < 2:
         return None
     first, kept = callbacks[ours[0]], callbacks[ours[-1]]
@@ -140,7 +140,8 @@ def one_run_checkpoint(config) -> str | None:
             f"earlier one (monitor {first.init_args.get('monitor')}): a run has one")
 
 
-def _names_subclass(class_path: str, kind: type) -> bool:
+def names_subclass(class_path: str, kind: type) -> bool:
+    """Whether `class_path` (a config's) names a subclass of `kind`; False where it names nothing importable."""
     module, _, name = class_path.rpartition(".")
     try:
         found = getattr(importlib.import_module(module), name)

@@ -41,7 +41,7 @@ from jsonargparse import (
     set_parsing_settings,
 )
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, WeightAveraging
+from lightning.pytorch.callbacks import BasePredictionWriter, Checkpoint, ModelCheckpoint, ProgressBar, WeightAveraging
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
@@ -50,7 +50,7 @@ from datamodules import ClassificationData, CsvDataModule, HFDataModule, ImageFo
 from lightning_modules import ImageClassifier
 from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
-from training.callbacks.checkpoint import one_run_checkpoint
+from training.callbacks.checkpoint import names_subclass, one_run_checkpoint
 from training.cli.errors import exit_code
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
@@ -80,6 +80,9 @@ DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__nam
 # parser resolves such a name among the subclasses of ClassificationData imported, and `datamodules` imports each
 # name when first used. ShardsDataModule (LitData) by its full path only.
 SHORT_NAMED_DATA = (ImageFolderDataModule, CsvDataModule, HFDataModule)
+# Lightning refuses a callback of these kinds next to its Trainer switch turned off; the shipped callbacks list
+# (configs/callbacks/default.yaml) has both kinds, so `--trainer.SWITCH false` alone leaves them out.
+SWITCHED = {"enable_checkpointing": Checkpoint, "enable_progress_bar": ProgressBar}
 
 # Deprecations raised inside the pinned libraries on every fit, which no config can act on: Lightning 2.6's pytree
 # helper under torch 2.14, and torchdata's StatefulDataLoader calling torch's deprecated set_vital.
@@ -170,15 +173,16 @@ class ImgclsCLI(LightningCLI):
         self.parser.add_instantiator(LoggerInstantiator(self), Logger)
         config = self.config[self.subcommand]
         place_in_run_dir(config, self.subcommand)
+        for switch, kind in SWITCHED.items():
+            callbacks = config.trainer.callbacks
+            if config.trainer.get(switch) is False and isinstance(callbacks, list):
+                config.trainer.callbacks = [c for c in callbacks if not names_subclass(c.class_path, kind)]
         replaced = one_run_checkpoint(config)
         if replaced:
             rank_zero_info(replaced)
         for logger in config_loggers(config):
             if getattr(logger, "class_path", "").endswith("WandbLogger") and wandb_online():
                 logger.init_args.offline = False
-        if config.trainer.get("enable_progress_bar") is False and config.trainer.callbacks:
-            # The shipped configs list a RichProgressBar, which Lightning refuses next to enable_progress_bar=false.
-            config.trainer.callbacks = [c for c in config.trainer.callbacks if not c.class_path.endswith("ProgressBar")]
         if self.saved_run is not None and self.subcommand == "predict":
             explicit = explicit_keys(self.explicit_of(self.subcommand), "data")
             data = config.data.init_args
