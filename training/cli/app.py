@@ -41,7 +41,14 @@ from jsonargparse import (
     set_parsing_settings,
 )
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import BasePredictionWriter, Checkpoint, ModelCheckpoint, ProgressBar, WeightAveraging
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    Checkpoint,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    WeightAveraging,
+)
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
@@ -80,9 +87,11 @@ DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__nam
 # parser resolves such a name among the subclasses of ClassificationData imported, and `datamodules` imports each
 # name when first used. ShardsDataModule (LitData) by its full path only.
 SHORT_NAMED_DATA = (ImageFolderDataModule, CsvDataModule, HFDataModule)
-# Lightning refuses a callback of these kinds next to its Trainer switch turned off; the shipped callbacks list
-# (configs/callbacks/default.yaml) has both kinds, so `--trainer.SWITCH false` alone leaves them out.
-SWITCHED = {"enable_checkpointing": Checkpoint, "enable_progress_bar": ProgressBar}
+# Lightning refuses a checkpoint or progress bar callback next to its Trainer switch turned off, and keeps a model
+# summary callback whatever its switch says; the shipped callbacks list (configs/callbacks/default.yaml) has each
+# kind, so `--trainer.SWITCH false` alone leaves them out.
+SWITCHED = {"enable_checkpointing": Checkpoint, "enable_progress_bar": ProgressBar,
+            "enable_model_summary": ModelSummary}
 
 # Deprecations raised inside the pinned libraries on every fit, which no config can act on: Lightning 2.6's pytree
 # helper under torch 2.14, and torchdata's StatefulDataLoader calling torch's deprecated set_vital.
