@@ -194,6 +194,8 @@ CLI_CASES = {
                                  "model.loss.label_smoothing=1.0 must be in [0, 1)"),
     "misspelt arch": (["--model.net.arch", "resnt50"], "model.net.arch='resnt50' is unknown; did you mean resnet50"),
     "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
+    "a batch of one image with BatchNorm": (["--data.batch_size", "1"],  # was torch's traceback at the first step
+                                            "data.batch_size=1: the network's BatchNorm layers need at least 2"),
 }
 
 

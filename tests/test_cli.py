@@ -12,7 +12,7 @@ import pytest
 import torch
 import torchvision
 import yaml
-from lightning.pytorch.callbacks import Callback, ModelSummary
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelSummary
 
 from core import hardware
 from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
@@ -168,18 +168,19 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
     assert "ckpt_path" in (run / "validate_config.yaml").read_text() and (run / "test_config.yaml").is_file()
 
 
-def test_progress_bar_checkpoints_and_summary_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
-    """The quickstart lists a RichProgressBar and two checkpoint callbacks, which Lightning refuses next to their
-    switches turned off (a traceback, before), and a RichModelSummary, which it kept whatever its switch said:
-    --trainer.enable_progress_bar, --trainer.enable_checkpointing and --trainer.enable_model_summary false (QUIET)
-    leave each out. A user's own callbacks stay."""
+def test_progress_bar_checkpoints_summary_and_loggers_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
+    """The quickstart lists a RichProgressBar, two checkpoint callbacks and a LearningRateMonitor, which Lightning
+    refuses next to their switches turned off (a traceback, before), and a RichModelSummary, which it kept whatever
+    its switch said: --trainer.enable_progress_bar, --trainer.enable_checkpointing, --trainer.logger and
+    --trainer.enable_model_summary false (QUIET) leave each out. A user's own callbacks stay."""
     run = tmp_path / "run"
     cli = cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=1), "--trainer.max_steps", "1",
                     "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-                    "--trainer.callbacks+=tests.test_cli.EpochRecorder"])
+                    "--trainer.logger", "false", "--trainer.callbacks+=tests.test_cli.EpochRecorder"])
     assert cli.trainer.global_step == 1 and cli.trainer.progress_bar_callback is None
     assert cli.trainer.checkpoint_callbacks == [] and not list(run.rglob("*.ckpt"))
-    assert not any(isinstance(c, ModelSummary) for c in cli.trainer.callbacks)
+    assert not any(isinstance(c, ModelSummary | LearningRateMonitor) for c in cli.trainer.callbacks)
+    assert cli.trainer.loggers == []
     assert [c.epochs for c in cli.trainer.callbacks if isinstance(c, EpochRecorder)] == [[0]]
 
 

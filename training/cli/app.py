@@ -44,6 +44,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import (
     BasePredictionWriter,
     Checkpoint,
+    LearningRateMonitor,
     ModelCheckpoint,
     ModelSummary,
     ProgressBar,
@@ -62,7 +63,7 @@ from training.cli.errors import exit_code
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
 from training.cli.parse_errors import OneLineErrorParser
-from training.cli.preflight import check_monitored
+from training.cli.preflight import check_batch_norm, check_monitored
 from training.distributed.strategy import destroy_process_groups
 from training.records.loggers import wandb_online
 from training.records.run_dir import closing_summary, config_loggers, metrics_table, place_in_run_dir
@@ -87,11 +88,11 @@ DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__nam
 # parser resolves such a name among the subclasses of ClassificationData imported, and `datamodules` imports each
 # name when first used. ShardsDataModule (LitData) by its full path only.
 SHORT_NAMED_DATA = (ImageFolderDataModule, CsvDataModule, HFDataModule)
-# Lightning refuses a checkpoint or progress bar callback next to its Trainer switch turned off, and keeps a model
-# summary callback whatever its switch says; the shipped callbacks list (configs/callbacks/default.yaml) has each
-# kind, so `--trainer.SWITCH false` alone leaves them out.
+# Lightning refuses a checkpoint or progress bar callback next to its Trainer switch turned off, and a learning rate
+# monitor without a logger, and keeps a model summary callback whatever its switch says; the shipped callbacks list
+# (configs/callbacks/default.yaml) has each kind, so `--trainer.SWITCH false` alone leaves them out.
 SWITCHED = {"enable_checkpointing": Checkpoint, "enable_progress_bar": ProgressBar,
-            "enable_model_summary": ModelSummary}
+            "enable_model_summary": ModelSummary, "logger": LearningRateMonitor}
 
 # Deprecations raised inside the pinned libraries on every fit, which no config can act on: Lightning 2.6's pytree
 # helper under torch 2.14, and torchdata's StatefulDataLoader calling torch's deprecated set_vital.
@@ -200,6 +201,7 @@ class ImgclsCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_monitored(self.trainer, self.model, self.datamodule)
+        check_batch_norm(self.model, self.datamodule)
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own

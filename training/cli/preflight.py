@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from training.callbacks.freezing import BATCH_NORMS
+
 
 def check_monitored(trainer, model, datamodule) -> None:
     """Every callback that monitors a metric (ModelCheckpoint, EarlyStopping, ...) names one the model logs.
@@ -27,3 +29,12 @@ def check_monitored(trainer, model, datamodule) -> None:
         else:
             why = f"the model logs {', '.join(sorted(names))}"
         raise ValueError(f"{type(callback).__name__} monitors {monitor}, which this model never logs: {why}")
+
+
+def check_batch_norm(model, datamodule) -> None:
+    """A training batch of one image with BatchNorm layers in the network: torch refuses it at the first step
+    ("Expected more than 1 value per channel"), a traceback that names no key. Said before the fit, with the key."""
+    batch = getattr(datamodule, "batch_size", None)
+    if batch == 1 and any(isinstance(module, BATCH_NORMS) for module in model.modules()):
+        raise ValueError("data.batch_size=1: the network's BatchNorm layers need at least 2 images a training batch; "
+                         "raise data.batch_size (trainer.accumulate_grad_batches makes a larger effective batch)")
