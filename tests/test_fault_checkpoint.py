@@ -163,6 +163,31 @@ def test_last_checkpoint_links_the_best_file_of_its_own_step_only(tmp_path, io):
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 8
 
 
+def test_a_resumed_fit_replaces_its_runs_last_checkpoint_not_beside_it(tmp_path):
+    """last.ckpt is linked to the best-k file of its step after that file was written, so the state inside both names
+    no last.ckpt. A fit resumed from it whose next validation does not improve the best-k writes last.ckpt in full:
+    Lightning took the existing last.ckpt for another run's and wrote last-v1.ckpt beside it, leaving last.ckpt (the
+    path the README resumes and evaluates from) a stale epoch behind."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+    scores = [0.5, 0.7, 0.6, 0.55]  # epochs 0 and 1 improve; 2 and 3 do not
+
+    def fit(epochs: int, ckpt_path: str | None) -> None:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="epoch{epoch}", monitor="val/acc", mode="max",
+                                     save_top_k=1, save_last=True)
+        trainer = L.Trainer(max_epochs=epochs, callbacks=[checkpoint], plugins=[AtomicCheckpointIO()], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(_ScriptedMetric(scores), loader, loader, ckpt_path=ckpt_path)
+
+    fit(1, None)
+    # Resumed from last.ckpt: a link to epoch 0's file, to epoch 1's (saved by a resumed fit), then a file in full.
+    for epochs in (2, 3, 4):
+        fit(epochs, str(tmp_path / "last.ckpt"))
+        assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epochepoch=1.ckpt", "last.ckpt"]
+        assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2 * epochs
+
+
 def test_nan_weights_are_never_written(tmp_path):
     io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
     io.save_checkpoint(_ckpt(1.0), path)

@@ -55,6 +55,12 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self.validated = state_dict.get("validated")
+        # A best-k file is written before last.ckpt is linked to it, so its state (and last.ckpt's, the same file)
+        # can name no last checkpoint yet. A fit resumed in the same folder continues that run and replaces its
+        # last.ckpt; Lightning, finding the file unnamed, wrote last-v1.ckpt beside it, as beside another run's.
+        same_run = state_dict.get("dirpath", self.dirpath) == self.dirpath
+        if self.save_last is True and same_run and "{" not in self.CHECKPOINT_NAME_LAST:
+            self.last_model_path = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
 
     def _save_last_if_missed(self, trainer, *, on_epoch_end: bool) -> None:
         if (self.save_last is True and not self.skips(trainer)
