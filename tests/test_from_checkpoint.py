@@ -139,15 +139,24 @@ def test_an_explicit_image_size_other_than_trainings_warns_and_is_obeyed(run, da
 
 
 def test_without_ckpt_path_the_runs_best_checkpoint_is_evaluated_or_the_command_refuses(run, data, tmp_path):
+    """No --ckpt_path, or --ckpt_path best or last: the run directory's checkpoint of that name, found on the disk
+    (Lightning looked only among this process's saves: `best` stopped with a traceback, and `last` without a
+    last.ckpt evaluated an untrained network in silence); none there: one line, and nothing written."""
     best, score = best_of(run)
-    proc = run_cli("validate", "--config", str(run / "config.yaml"), "--trainer.default_root_dir", str(run),
-                   "--trainer.logger", "false", "--trainer.enable_progress_bar", "false")
+    quiet = ("--trainer.default_root_dir", str(run), "--trainer.logger", "false", "--trainer.enable_progress_bar",
+             "false")
+    proc = run_cli("validate", "--config", str(run / "config.yaml"), *quiet)
     assert f"no --ckpt_path, so the best checkpoint of {run}: {best}" in proc.stdout + proc.stderr
     assert printed_metrics(proc.stdout)["val/acc"] == pytest.approx(score, abs=1e-6)
-    for command in ("validate", "predict"):  # no checkpoint in the run directory, no pretrained weights
+    proc = run_cli("validate", "--config", str(run / "config.yaml"), "--ckpt_path", "best", *quiet)
+    assert f"validate: --ckpt_path best of {run}: {best}" in proc.stdout + proc.stderr
+    assert printed_metrics(proc.stdout)["val/acc"] == pytest.approx(score, abs=1e-6)
+    for command, named in (("validate", None), ("predict", None), ("test", "last"), ("validate", "best")):
         proc = run_cli(command, "--data.root", str(data["named"]), "--data.predict_dir", str(data["predict"]), *EVAL,
-                       "--trainer.default_root_dir", str(tmp_path / "fresh"), check=False)
-        assert "the network is untrained; pass --ckpt_path" in error_line(proc)
+                       "--trainer.default_root_dir", str(tmp_path / "fresh"),
+                       *(("--ckpt_path", named) if named else ()), check=False)
+        expected = f"--ckpt_path {named}: no checkpoint in" if named else "the network is untrained; pass --ckpt_path"
+        assert expected in error_line(proc)
         assert not (tmp_path / "fresh").exists()
 
 

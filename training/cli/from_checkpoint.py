@@ -25,7 +25,7 @@ from training.records.saved_run import (
     explicit_class,
     explicit_keys,
 )
-from training.resume.checkpoints import resolve_resume
+from training.resume.checkpoints import newest_intact_checkpoint, resolve_resume
 
 
 def resolve_checkpoint(cli) -> None:
@@ -44,6 +44,8 @@ def resolve_checkpoint(cli) -> None:
         config.ckpt_path = cli.resume_plan.path
     elif config.ckpt_path is None:
         config.ckpt_path = checkpoint_to_evaluate(subcommand, config)
+    elif config.ckpt_path in ("last", "best"):
+        config.ckpt_path = named_checkpoint(subcommand, config, config.ckpt_path)
     path = config.ckpt_path
     if not path and is_model_folder(net_weights(config.model.get("net"))):  # a folder of `imgcls publish`
         _from_model_folder(cli, subcommand, net_weights(config.model.get("net")))
@@ -85,6 +87,24 @@ def checkpoint_to_evaluate(subcommand: str, config) -> str | None:
     raise NoCheckpointError(
         f"{subcommand}: no --ckpt_path and no checkpoint in {folder / 'checkpoints'}: the network is untrained; "
         f"pass --ckpt_path RUN/checkpoints/last.ckpt (or --config RUN/config.yaml of a trained run)")
+
+
+def named_checkpoint(subcommand: str, config, name: str) -> str:
+    """validate, test or predict with --ckpt_path last or best: that checkpoint of the run directory, as fit's
+    `last` finds it. Lightning takes `last` from the files named last* in its callbacks' folders (none: a warning,
+    then an untrained network evaluated) and `best` from what its callbacks saved in this process (none in an
+    evaluation: a traceback)."""
+    folder = run_dir(config)
+    if name == "best":
+        found = best_checkpoint_of(folder, checkpoint_folders(config))
+        path = found[0] if found else None
+    else:
+        path = newest_intact_checkpoint([folder / "checkpoints", *checkpoint_folders(config)])[0]
+    if path is None:
+        raise NoCheckpointError(f"{subcommand}: --ckpt_path {name}: no checkpoint in {folder / 'checkpoints'}; pass "
+                                "--config RUN/config.yaml of a trained run (or --ckpt_path RUN/checkpoints/last.ckpt)")
+    rank_zero_info(f"{subcommand}: --ckpt_path {name} of {folder}: {path}")
+    return str(path)
 
 
 def _evaluate_as_saved(cli, subcommand: str, saved: SavedRun) -> None:
