@@ -12,6 +12,7 @@ from dataclasses import asdict
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -301,8 +302,10 @@ class ImageClassifier(L.LightningModule):
                 or resolve_levers(asdict(self.lever_settings), self.device.type)[0]["optimizer_impl"])
         trainer = self.attached_trainer()
         scaler = getattr(trainer.precision_plugin, "scaler", None) if trainer is not None else None  # 16-mixed
+        clipped = trainer is not None and bool(trainer.gradient_clip_val) and isinstance(trainer.precision_plugin,
+                                                                                          MixedPrecision)
         optimizer, note = build_optimizer(self.optimizer_factory, self.param_groups(), impl,
-                                          grad_scaler=scaler is not None)
+                                          grad_scaler=scaler is not None, clipped_in_mixed_precision=clipped)
         if note:
             rank_zero_info(note)
         for group, multiplier in zip(optimizer.param_groups, self.lr_multipliers(optimizer.param_groups), strict=True):

@@ -80,15 +80,20 @@ def unset_arguments(factory: Callable, values: dict[str, Any]) -> dict[str, Any]
 FUSED_UNSAFE_UNDER_GRAD_SCALER = (torch.optim.SGD,)
 
 
-def build_optimizer(factory: Callable, groups: list[dict], impl: str, *, grad_scaler: bool = False) -> tuple[
-        torch.optim.Optimizer, str | None]:
+def build_optimizer(factory: Callable, groups: list[dict], impl: str, *, grad_scaler: bool = False,
+                    clipped_in_mixed_precision: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
     """`factory(groups)`, with `fused=True` or `foreach=True` when `impl` asks for it and the optimizer takes it; and
-    a note where a fused kernel was asked for and foreach given instead because a GradScaler (16-mixed) would step
-    it wrongly."""
+    a note where a fused kernel was asked for and foreach given instead: because a GradScaler (16-mixed) would step
+    it wrongly, or because the gradients are clipped under mixed precision, where Lightning refuses to clip those of
+    a fused optimizer (it unscales them inside its step)."""
     kernels = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     note = None
     if impl == "fused" and "fused" not in unset_arguments(factory, kernels):
         kernels = {"foreach": True}  # no fused kernel (timm's Lamb, RMSprop on some torch builds): the next best
+    elif impl == "fused" and clipped_in_mixed_precision:
+        kernels = {"foreach": True}
+        note = ("optimizer_impl foreach, not fused: trainer.gradient_clip_val is set, and Lightning's mixed precision "
+                "clips no gradients of a fused optimizer")
     elif impl == "fused" and grad_scaler and _is_subclass(target_of(factory), FUSED_UNSAFE_UNDER_GRAD_SCALER):
         kernels = {"foreach": True}
         note = (f"optimizer_impl foreach, not fused: torch's fused {target_of(factory).__name__} updates its momentum "

@@ -43,8 +43,9 @@ class Levers:
     compile: bool | Auto = False
     """torch.compile the network in place (checkpoint keys unchanged); auto: on CUDA with Triton only."""
     optimizer_impl: OptimizerImpl = "auto"
-    """default, foreach or fused kernels, where the optimizer takes them; auto: fused on CUDA and AVX2 CPUs (SGD under
-    16-mixed's GradScaler: foreach, lightning_modules/optim.py says why)."""
+    """default, foreach or fused kernels, where the optimizer takes them; auto: fused on CUDA and AVX2 CPUs (foreach
+    instead for SGD under 16-mixed's GradScaler, and for any optimizer whose gradients are clipped under mixed
+    precision: lightning_modules/optim.py says why)."""
 
     def __post_init__(self) -> None:
         check_arguments("model.levers", Levers, asdict(self))

@@ -224,6 +224,31 @@ def test_under_a_grad_scaler_sgd_gets_foreach_kernels_and_a_skipped_step_leaves_
     assert adamw.defaults["fused"] is True
 
 
+def test_clipped_gradients_under_mixed_precision_get_foreach_kernels(caplog):
+    """Lightning's mixed precision refuses to clip the gradients of a fused optimizer (it unscales them inside its
+    step): trainer.gradient_clip_val under bf16-mixed stopped the first step with a traceback, as auto picks fused.
+    Under mixed precision with clipping the optimizer gets foreach kernels and says so; without clipping, fused."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def fit(clip: float | None) -> torch.optim.Optimizer:
+        model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                                batch_size=4, optimizer=partial(torch.optim.AdamW, lr=0.01),
+                                levers=Levers(optimizer_impl="fused"))
+        trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed",
+                            gradient_clip_val=clip)
+        data = TensorDataset(torch.randn(4, 3, 32, 32), torch.randint(0, 3, (4,)))
+        trainer.fit(model, DataLoader(data, batch_size=4))
+        assert trainer.global_step == 1
+        return trainer.optimizers[0]
+
+    with caplog.at_level("INFO"):
+        clipped = fit(1.0)
+    assert clipped.defaults["foreach"] is True and not clipped.defaults["fused"]
+    assert "optimizer_impl foreach, not fused: trainer.gradient_clip_val is set" in caplog.text
+    assert fit(None).defaults["fused"] is True
+
+
 @pytest.mark.parametrize(("scaling", "expected"), [("linear", 0.5), ("sqrt", 0.5**0.5), ("none", 1.0)])
 def test_lr_scales_with_the_global_batch(scaling, expected):
     model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"), batch_size=64,
