@@ -203,6 +203,11 @@ def _state_dict_from_file(path: Path, key: str = "model.net.weights") -> dict[st
     return state
 
 
+class WeightsDownloadError(RuntimeError):
+    """Pretrained weights could not be fetched (no network, a proxy, a download that fails its hash): the machine's
+    state, not a bug; its message names the file to put in the cache instead."""
+
+
 def _state_dict_from_torchvision(arch: str, name: str) -> dict[str, torch.Tensor]:
     enum_name = torchvision.models.get_model_weights(arch).__name__  # e.g. ResNet50_Weights
     try:
@@ -214,7 +219,7 @@ def _state_dict_from_torchvision(arch: str, name: str) -> dict[str, torch.Tensor
     try:
         path = cached_download(w.url)
     except Exception as err:  # no network, proxy, truncated download, a file that fails its hash...
-        raise RuntimeError(
+        raise WeightsDownloadError(
             f"could not download {arch} weights {name} ({type(err).__name__}: {err}). Without network access, "
             f"put the file in {cache_dir()} first: {offline_command(w.url)}; or pass model.net.weights=/path/to/file"
         ) from None

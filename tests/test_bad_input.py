@@ -215,6 +215,28 @@ def test_bad_config_value_is_one_line_naming_the_key(tmp_path, case, capsys):
     assert not (run / "checkpoints").exists()  # nothing trained
 
 
+def test_weights_that_cannot_be_downloaded_are_one_line_naming_the_offline_file(tmp_path, monkeypatch, capsys):
+    """A machine without network access asked for torchvision's pretrained weights: one line with the file to put in
+    the cache and the command (a RuntimeError's traceback before), exit 2, nothing trained."""
+    import urllib.error
+
+    import lightning_modules.network as network
+
+    def offline(url: str) -> Path:
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(network, "cached_download", offline)
+    root = make_image_folder(tmp_path / "data", {"a": 5, "b": 5}, splits=("train", "val"), size=32)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *TINY, "--data.root", str(root), "--trainer.default_root_dir", str(run), "--model.net.arch",
+              "resnet18", "--model.net.weights", "IMAGENET1K_V1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err[-3000:]
+    assert "imgcls: error: could not download resnet18 weights IMAGENET1K_V1 (URLError:" in err
+    assert "cp resnet18-f37072fd.pth" in err and not (run / "checkpoints").exists()
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--model.recipe.lr_scalling", "none"],
      "--model.recipe.lr_scalling is not an option; did you mean --model.recipe.lr_scaling"),

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 from datamodules.datasets import UnreadableImageError
+from lightning_modules.network import WeightsDownloadError
 from training.resume.checkpoints import CheckpointWriteError, UnsafeCheckpointError
 from training.resume.faults import NonFiniteLossError, lost_peer_message
 
-# Errors caused by what the user gave us (config values, files, folders, a source whose extra is not installed),
-# reported in one line without a traceback.
+# Errors caused by what the user gave us (config values, files, folders, a source whose extra is not installed)
+# or by the machine (weights it cannot download), reported in one line without a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError, UnsafeCheckpointError,
-               NonFiniteLossError, CheckpointWriteError)
+               NonFiniteLossError, CheckpointWriteError, WeightsDownloadError)
 _PACKAGES = tuple(str(Path(__file__).resolve().parents[2] / pkg) for pkg in ("core", "datamodules", "lightning_modules",
                                                                              "training", "deploy"))
 
