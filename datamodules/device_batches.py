@@ -33,8 +33,9 @@ class DeviceBatches:
         self.transforms, self.schedule, self.train_size = transforms, schedule, train_size
 
     def finish(self, batch: tuple, *, index: int | None, trainer) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch on the device -> (x, y), x float and normalised. `index` is the batch's place among the run's
-        training batches (None outside training): the seed of its draws when the batch carries none."""
+        """A batch on the device -> (x, y), x float (float32, or the dtype of a true-precision run) and normalised.
+        `index` is the batch's place among the run's training batches (None outside training): the seed of its draws
+        when the batch carries none."""
         x, y, *seeds = batch
         train = index is not None
         if isinstance(x, list):
@@ -48,6 +49,8 @@ class DeviceBatches:
                 x = TF.resize(x, [side, side], antialias=True)  # (B, 3, side, side), uint8 stays uint8
         if x.dtype == torch.uint8:
             x = self.to_float(x)
+            if trainer is not None:  # a true-precision run (bf16-true, 64-true) wants its own dtype: Lightning
+                x = trainer.precision_plugin.convert_input(x)  # converted the batch before it was float
         return x, y
 
     def train_side(self, epoch: int) -> int | None:

@@ -184,6 +184,16 @@ def test_progress_bar_checkpoints_summary_and_loggers_can_be_switched_off_from_t
     assert [c.epochs for c in cli.trainer.callbacks if isinstance(c, EpochRecorder)] == [[0]]
 
 
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16)])  # 64-true: the same path
+def test_a_true_precision_fit_gets_batches_of_its_dtype(digits_root, tmp_path, precision, dtype):
+    """Lightning converts a batch to a true precision's dtype before the DataModule makes its images float on the
+    device: the float32 batch met bf16 weights ("Input type (torch.FloatTensor) and weight type (CPUBFloat16Type)
+    should be the same"), at the first step. The device stage converts its float batch as Lightning would."""
+    cli = cli_main(["fit", *_tiny_fit_args(digits_root, tmp_path / "run", epochs=1), "--trainer.precision", precision])
+    assert cli.trainer.global_step == 4 and next(cli.model.parameters()).dtype == dtype
+    assert "val/acc" in cli.trainer.callback_metrics
+
+
 class EpochRecorder(Callback):
     """Records which epochs this process trained."""
 
