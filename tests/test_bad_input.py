@@ -196,6 +196,10 @@ CLI_CASES = {
     "val split leaves a class empty": (["--data.val_split", "0.01"], "data.val_split=0.01 of"),
     "a batch of one image with BatchNorm": (["--data.batch_size", "1"],  # was torch's traceback at the first step
                                             "data.batch_size=1: the network's BatchNorm layers need at least 2"),
+    # ViTs are built for one side (torchvision's and timm's asserted at the first step)
+    "a ViT at 32 px": (["--model.net.arch", "vit_b_16"], "data.train_transform.image_size=32: the network takes 224"),
+    "a timm ViT at 32 px": (["--model.net.arch", "timm/vit_tiny_patch16_224"],
+                            "data.train_transform.image_size=32: the network takes 224 px images only"),
 }
 
 

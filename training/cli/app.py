@@ -63,7 +63,7 @@ from training.cli.errors import exit_code
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
 from training.cli.parse_errors import OneLineErrorParser
-from training.cli.preflight import check_batch_norm, check_monitored
+from training.cli.preflight import check_batch_norm, check_input_side, check_monitored
 from training.distributed.strategy import destroy_process_groups
 from training.records.loggers import wandb_online
 from training.records.run_dir import closing_summary, config_loggers, metrics_table, place_in_run_dir
@@ -202,6 +202,12 @@ class ImgclsCLI(LightningCLI):
     def before_fit(self) -> None:
         check_monitored(self.trainer, self.model, self.datamodule)
         check_batch_norm(self.model, self.datamodule)
+        check_input_side(self.model, self.datamodule)
+
+    def before_validate(self) -> None:
+        check_input_side(self.model, self.datamodule)
+
+    before_test = before_predict = before_validate
 
     def instantiate_trainer(self, **kwargs):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own

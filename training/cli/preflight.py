@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torchvision
+
 from training.callbacks.freezing import BATCH_NORMS
 
 
@@ -38,3 +40,27 @@ def check_batch_norm(model, datamodule) -> None:
     if batch == 1 and any(isinstance(module, BATCH_NORMS) for module in model.modules()):
         raise ValueError("data.batch_size=1: the network's BatchNorm layers need at least 2 images a training batch; "
                          "raise data.batch_size (trainer.accumulate_grad_batches makes a larger effective batch)")
+
+
+def check_input_side(model, datamodule) -> None:
+    """A network built for one image side (a vision transformer's position embeddings: torchvision's ViT, timm's with
+    a fixed patch embedding) given images of another: torchvision and timm assert at the first step ("Wrong image
+    height! Expected 224 but got 32!"), naming no key. Said before the run, with the key."""
+    expected = fixed_side(model)
+    for name in ("train_transform", "eval_transform"):
+        side = getattr(getattr(datamodule, name, None), "image_size", None)
+        if expected is not None and side is not None and int(side) != expected:
+            raise ValueError(f"data.{name}.image_size={side}: the network takes {expected} px images only (its "
+                             f"position embeddings are built for that side); set data.image_size {expected}")
+
+
+def fixed_side(model) -> int | None:
+    """The one image side the network takes, where it has one (None: any side)."""
+    for module in model.modules():
+        if isinstance(module, torchvision.models.VisionTransformer):
+            return module.image_size
+        # timm's PatchEmbed (not imported: timm is an extra): strict unless built with a dynamic image size
+        if hasattr(module, "img_size") and getattr(module, "strict_img_size", False) and not getattr(
+                module, "dynamic_img_size", False):
+            return int(module.img_size[0])
+    return None
