@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path = export(args.ckpt_path, args.format, args.out)
     except (FileNotFoundError, ValueError, UnsafeCheckpointError) as err:
-        raise SystemExit(f"error: {err}") from None
+        print(f"imgcls export: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"wrote {path} and {path.with_name('model.json')} (preprocessing, class names)")
 
 

@@ -336,13 +336,15 @@ def test_pickle_planted_in_the_torch_hub_cache_is_refused(tmp_path, monkeypatch)
     assert torch.equal(net.backbone.conv1.weight, clean["conv1.weight"])
 
 
-def test_export_refuses_a_crafted_pickle_in_one_line(tmp_path):
+def test_export_refuses_a_crafted_pickle_in_one_line(tmp_path, capsys):
     from deploy import export
 
     marker = tmp_path / "pwned"
     evil = _evil_checkpoint(tmp_path / "evil.ckpt", marker)
-    with pytest.raises(SystemExit, match=f"error: refusing to load {evil}"):
+    with pytest.raises(SystemExit) as exited:
         export.main(["--ckpt_path", str(evil), "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith(f"imgcls export: error: refusing to load {evil}")
     assert not marker.exists()
 
 

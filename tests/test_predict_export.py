@@ -182,9 +182,13 @@ def test_export_matches_pytorch(checkpoint, tmp_path, fmt, offline_env):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
-def test_export_rejects_missing_checkpoint(tmp_path):
-    with pytest.raises(SystemExit, match="nope.ckpt does not exist"):
+def test_export_rejects_missing_checkpoint(tmp_path, capsys):
+    """One line to stderr and exit 2, as publish, serve and the training commands answer a user's mistake."""
+    with pytest.raises(SystemExit) as exited:
         export_main(["--ckpt_path", str(tmp_path / "nope.ckpt")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("imgcls export: error: --ckpt_path")
+    assert "nope.ckpt does not exist" in err
 
 
 def test_export_and_publish_refuse_a_sharded_checkpoint_naming_the_command_that_joins_it(tmp_path, capsys):
@@ -194,7 +198,7 @@ def test_export_and_publish_refuse_a_sharded_checkpoint_naming_the_command_that_
                 f"training.distributed.fsdp {folder} {tmp_path / 'last-full.ckpt'}")
     with pytest.raises(SystemExit) as exported:
         export_main(["--ckpt_path", str(folder)])
-    assert str(exported.value) == f"error: {expected}"
+    assert exported.value.code == 2 and capsys.readouterr().err == f"imgcls export: error: {expected}\n"
     with pytest.raises(SystemExit):
         publish_main([str(tmp_path / "model"), "--ckpt_path", str(folder)])
     assert capsys.readouterr().err == f"imgcls publish: error: {expected}\n"
