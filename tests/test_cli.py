@@ -171,12 +171,13 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
 def test_progress_bar_checkpoints_summary_and_loggers_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
     """The quickstart lists a RichProgressBar, two checkpoint callbacks and a LearningRateMonitor, which Lightning
     refuses next to their switches turned off (a traceback, before), and a RichModelSummary, which it kept whatever
-    its switch said: --trainer.enable_progress_bar, --trainer.enable_checkpointing, --trainer.logger and
-    --trainer.enable_model_summary false (QUIET) leave each out. A user's own callbacks stay."""
+    its switch said: --trainer.enable_progress_bar, --trainer.enable_checkpointing, --trainer.logger (false, or an
+    empty list as here) and --trainer.enable_model_summary false (QUIET) leave each out. A user's own callbacks
+    stay."""
     run = tmp_path / "run"
     cli = cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=1), "--trainer.max_steps", "1",
                     "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-                    "--trainer.logger", "false", "--trainer.callbacks+=tests.test_cli.EpochRecorder"])
+                    "--trainer.logger", "[]", "--trainer.callbacks+=tests.test_cli.EpochRecorder"])
     assert cli.trainer.global_step == 1 and cli.trainer.progress_bar_callback is None
     assert cli.trainer.checkpoint_callbacks == [] and not list(run.rglob("*.ckpt"))
     assert not any(isinstance(c, ModelSummary | LearningRateMonitor) for c in cli.trainer.callbacks)

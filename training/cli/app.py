@@ -185,7 +185,7 @@ class ImgclsCLI(LightningCLI):
         place_in_run_dir(config, self.subcommand)
         for switch, kind in SWITCHED.items():
             callbacks = config.trainer.callbacks
-            if config.trainer.get(switch) is False and isinstance(callbacks, list):
+            if config.trainer.get(switch) in (False, []) and isinstance(callbacks, list):  # logger: [] is none too
                 config.trainer.callbacks = [c for c in callbacks if not names_subclass(c.class_path, kind)]
         replaced = one_run_checkpoint(config)
         if replaced:
