@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import Precision
 
 from datamodules import ImageFolderDataModule
 from datamodules.presets import (
@@ -113,7 +114,7 @@ def test_progressive_resizing_follows_its_schedule_on_training_batches_only(tmp_
     data.setup("fit")
     x, y = next(iter(data.train_dataloader()))
     assert x.shape[-1] == 64 and x.dtype == torch.uint8  # the loaders keep producing full-size crops
-    data.trainer = types.SimpleNamespace(training=True, current_epoch=0)
+    data.trainer = types.SimpleNamespace(training=True, current_epoch=0, precision_plugin=Precision())
     sides = []
     for epoch in range(6):
         data.trainer.current_epoch = epoch

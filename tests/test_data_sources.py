@@ -197,6 +197,8 @@ def test_a_batch_without_seeds_is_augmented_from_the_datamodules_own_checkpointe
     internals of the trainer are read)."""
     from types import SimpleNamespace
 
+    from lightning.pytorch.plugins.precision import Precision
+
     from datamodules.datasets import collate_encoded
 
     root = make_image_folder(tmp_path / "images", {"a": 2, "b": 2}, splits=("train", "val"), size=48, ext=".jpg")
@@ -205,7 +207,8 @@ def test_a_batch_without_seeds_is_augmented_from_the_datamodules_own_checkpointe
         data = ImageFolderDataModule(str(root), batch_size=2, num_workers=0, image_size=32, preset="imagenet",
                                      augment_on_device=True, scan_cache=False)
         data.setup("fit")
-        data.trainer = SimpleNamespace(training=True, global_rank=0, current_epoch=0)  # what the hooks read
+        data.trainer = SimpleNamespace(training=True, global_rank=0, current_epoch=0,  # what the hooks read
+                                       precision_plugin=Precision())
         return data
 
     data = datamodule()
