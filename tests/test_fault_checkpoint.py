@@ -3,9 +3,11 @@ secrets."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -82,6 +84,30 @@ def test_save_is_atomic_and_a_full_disk_keeps_the_previous_checkpoint(tmp_path, 
     monkeypatch.undo()
     assert io.load_checkpoint(path)["global_step"] == 1  # the old one, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary left behind
+
+
+def _cached_bytes(path: Path) -> int:
+    """How much of `path` sits in the page cache (mincore(2) over a private mapping of the file)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        pages = (ctypes.c_ubyte * -(-len(mapped) // mmap.PAGESIZE))()
+        start = ctypes.c_char.from_buffer(mapped)
+        try:
+            assert libc.mincore(ctypes.byref(start), ctypes.c_size_t(len(mapped)), pages) == 0, ctypes.get_errno()
+        finally:
+            del start  # the mapping cannot close while a ctypes object holds its buffer
+    return sum(page & 1 for page in pages) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this OS: the pages stay cached")
+def test_a_written_checkpoint_leaves_the_page_cache(tmp_path):
+    """A fit never reads its checkpoints back: once synced, their pages are dropped, not left to evict the images."""
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(4 << 20)}}, path)  # 16 MiB
+    size = path.stat().st_size
+    assert _cached_bytes(path) < size / 10
+    path.read_bytes()
+    assert _cached_bytes(path) > size / 2  # what the probe sees of a file just read: it can tell
 
 
 def test_background_writer_snapshots_orders_removals_and_reports_errors(tmp_path, monkeypatch):

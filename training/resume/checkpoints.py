@@ -47,6 +47,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     full disk during the write leaves a truncated `last.ckpt` behind. A rename within one folder is atomic on POSIX
     file systems: readers see the old file or the new one, never half of one. Loads use `weights_only=True`, so a
     checkpoint cannot run code when it is unpickled.
+
+    Once on disk, the file's pages leave the page cache (`posix_fadvise(DONTNEED)`): a fit does not read its own
+    checkpoints back, and each one (~300 MB for ResNet-50 with AdamW) would otherwise push the images of the next
+    epochs out of the cache; the next write then fills pages just freed rather than fresh ones, which is faster.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -60,6 +64,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):  # not on macOS or Windows
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
         self._replace(path, write)
 
