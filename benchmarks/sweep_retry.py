@@ -57,6 +57,13 @@ def _until(what: str, ready, timeout: float):
     return found
 
 
+def last_lines(folder: Path, n: int = 15) -> str:
+    """The last `n` lines of each worker's log and each trial's fit.log in `folder`, each under its path."""
+    logs = [*sorted(folder.glob("worker_*.log")), *sorted(folder.glob("*/trial_*/fit.log"))]
+    return "\n".join(f"--- {log.relative_to(folder)}:\n" + "\n".join(log.read_text().splitlines()[-n:])
+                     for log in logs)
+
+
 def one_death(url: str, folder: Path, sweep: Path, heartbeat: int, grace: int) -> dict:
     """Two workers start together: one takes the point, the other waits; the first is killed once its trial process
     runs. The seconds from the kill to the trial's failure and to its retry's start."""
@@ -90,6 +97,8 @@ def one_death(url: str, folder: Path, sweep: Path, heartbeat: int, grace: int) -
         study = optuna.load_study(study_name="retry", storage=url)
         failed, retry = _until("the retry to start", lambda: len(trials := study.get_trials(deepcopy=False)) == 2
                                and trials[1].state == TrialState.RUNNING and trials, grace + 10 * heartbeat + 60)
+    except TimeoutError as err:  # what each worker and trial said, so that a stall can be read after the fact
+        raise TimeoutError(f"{err}\n{last_lines(folder)}") from None
     finally:
         for worker in workers.values():
             with contextlib.suppress(ProcessLookupError):

@@ -340,3 +340,16 @@ def test_figures_measured_with_the_kernels_held_are_filed_as_an_estimate(monkeyp
                              "machine": machine, "results": {"rows": {}}}, tmp_path) for machine in (real, held)]
     assert stored[0] != stored[1] and all(path.is_file() for path in stored)
     assert figures.kind_slug(held) == f"{figures.kind_slug(real)}-estimate"  # the docs' figure keys name it too
+
+
+def test_a_stalled_sweep_retry_shows_what_its_workers_and_trials_said_last(tmp_path):
+    from benchmarks.sweep_retry import last_lines
+
+    (tmp_path / "worker_a.log").write_text("".join(f"a {i}\n" for i in range(40)))
+    (tmp_path / "worker_b.log").write_text("sweep retry: every point is taken; waiting for 1 trial(s)\n")
+    (tmp_path / "b" / "trial_0001").mkdir(parents=True)
+    (tmp_path / "b" / "trial_0001" / "fit.log").write_text("imgcls fit ...\nerror: the last thing it said\n")
+    said = last_lines(tmp_path).splitlines()
+    assert said[:16] == ["--- worker_a.log:", *(f"a {i}" for i in range(25, 40))]
+    assert said[16:] == ["--- worker_b.log:", "sweep retry: every point is taken; waiting for 1 trial(s)",
+                         "--- b/trial_0001/fit.log:", "imgcls fit ...", "error: the last thing it said"]
