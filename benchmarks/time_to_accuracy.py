@@ -11,7 +11,9 @@ What imgcls does by default beyond the plain loop is measured by turning it back
 same seeds: a loader process on the CPU (`data.num_workers: 1`, the default before 0), the figures drawn at every
 validation (`ValidationFigures.time_budget: null`), and, without checkpoints, figures and progress bar, the floor.
 The closing validation of the best checkpoint runs only where no validation of the fit was of the best weights; its
-time is recorded where it ran.
+time is recorded where it ran. The targets are judged on imgcls's time over the plain loop's within each seed's pair
+(run back to back), the median of the pairs, given with their spread: a shared machine's speed drifts over minutes
+by more than the difference measured, and a ratio of two sides' medians mixes runs far apart.
 """
 
 from __future__ import annotations
@@ -241,6 +243,21 @@ def _medians(results: dict) -> dict[str, list[float | None]]:
             for name, group in results["runs"].items() if group}
 
 
+def _pair_ratios(results: dict) -> dict[str, list[float] | None]:
+    """imgcls's seconds over the plain loop's within each seed's pair (the two ran back to back, so a slow spell of
+    the machine falls on both): to 97% val/acc (None unless every run reached it), and whole process."""
+    imgcls, plain = results["runs"][IMGCLS], results["runs"][PLAIN]
+    hits = [(first_reaching(a, TARGETS[0]), first_reaching(b, TARGETS[0])) for a, b in zip(imgcls, plain, strict=True)]
+    return {"to_97": [a["seconds"] / b["seconds"] for a, b in hits] if all(a and b for a, b in hits) else None,
+            "whole": [a / b for a, b in zip(_process_seconds(results, IMGCLS), _process_seconds(results, PLAIN),
+                                            strict=True)]}
+
+
+def _spread(ratios: list[float]) -> str:
+    """"median (min-max)" of within-pair ratios."""
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def _closing(results: dict) -> tuple[int, list[float]]:
     """imgcls's default runs: how many, and the seconds of each closing validation of the best checkpoint that ran."""
     processes = results.get("processes", {}).get(IMGCLS, [])
@@ -261,10 +278,10 @@ def render(results: dict) -> tuple[str, str]:
         rows.append([f"{name} ({len(group)} seed{'s' if len(group) > 1 else ''})",
                      *(_cell(group, target)[0] for target in TARGETS), f"{best:.3f}", f"{medians[name][-1]:.1f} s",
                      *([f"{cpu[name]:.1f} s"] if timed_cpu else [])])
-    ratios = [a / b if a and b else None for a, b in zip(medians[IMGCLS], medians[PLAIN], strict=True)]
-    rows.append([f"imgcls / plain (targets: 97% <= {RATIO_TARGET}, whole <= {PROCESS_TARGET})",
-                 *(f"{r:.2f}" if r else "-" for r in ratios[:2]), "", f"{ratios[2]:.2f}",
-                 *([f"{cpu[IMGCLS] / cpu[PLAIN]:.2f}"] if timed_cpu else [])])
+    pairs = _pair_ratios(results)
+    rows.append([f"imgcls / plain within each seed's pair, median (min-max) (targets: 97% <= {RATIO_TARGET}, "
+                 f"whole <= {PROCESS_TARGET})", _spread(pairs["to_97"]) if pairs["to_97"] else "-", "-", "",
+                 _spread(pairs["whole"]), *([f"{cpu[IMGCLS] / cpu[PLAIN]:.2f} (of the medians)"] if timed_cpu else [])])
     body = table(["run", "time to 97% val/acc (median)", "time to 99% val/acc (median)", "best val/acc (median)",
                   "whole process, launch to exit (median)" if whole else "to the last validation (median)",
                   *(["CPU time of the process and its children (median)"] if timed_cpu else [])], rows)
@@ -292,12 +309,13 @@ def render(results: dict) -> tuple[str, str]:
     body += "\n\nPer epoch (val/acc@seconds): " + "; ".join(
         f"{short[name]}, seed {seed}: " + ", ".join(f"{r['val_acc']:.3f}@{r['seconds']:.0f}" for r in records)
         for name, group in runs.items() for seed, records in zip(seeds, group, strict=False)) + "."
-    body += (f"\n\nTarget, imgcls within {RATIO_TARGET}x of the plain loop's time to 97%: "
-             + (f"{ratios[0]:.2f}x ({verdict(ratios[0] <= RATIO_TARGET)})." if ratios[0] else "not measured: a run "
-                "did not reach 97%."))
+    to_97, whole_ratio = (statistics.median(r) if r else None for r in (pairs["to_97"], pairs["whole"]))
+    body += (f"\n\nTarget, imgcls within {RATIO_TARGET}x of the plain loop's time to 97% (the median of the seeds' "
+             "pairs): " + (f"{to_97:.2f}x ({verdict(to_97 <= RATIO_TARGET)})." if to_97 else "not measured: a run "
+                           "did not reach 97%."))
     if whole:
         body += (f" Target, the whole imgcls fit process within {PROCESS_TARGET}x of the plain loop's: "
-                 f"{ratios[2]:.2f}x ({verdict(ratios[2] <= PROCESS_TARGET)}).")
+                 f"{whole_ratio:.2f}x ({verdict(whole_ratio <= PROCESS_TARGET)}).")
     return body, (f"configs/quickstart.yaml ({recipe['arch']} from scratch, {recipe['image_size']} px, AdamW, "
                   f"{results['precision']} (auto), channels_last, {recipe['epochs']} epochs) on the demo digits, "
                   f"seeds {', '.join(map(str, seeds))} for both sides; each run is a process of its own, timed from "
@@ -308,15 +326,15 @@ def render(results: dict) -> tuple[str, str]:
 def figures(results: dict) -> dict[str, str]:
     """imgcls fit against the plain loop: seconds to 97% and their ratio, whole runs, best val/acc (medians), and
     what each default turned back on costs."""
-    medians = _medians(results)
+    medians, pairs = _medians(results), _pair_ratios(results)
     imgcls, plain = medians[IMGCLS], medians[PLAIN]
     best = statistics.median(max(r["val_acc"] for r in records) for records in results["runs"][IMGCLS])
     found = {"imgcls_total": f"{imgcls[-1]:.0f} s", "plain_total": f"{plain[-1]:.0f} s",
              "imgcls_best_acc": f"{100 * best:.1f}%", "seeds": ", ".join(map(str, results["seeds"])),
-             "target": f"{RATIO_TARGET}x", "total_ratio": f"{imgcls[-1] / plain[-1]:.2f}x"}
-    if imgcls[0] and plain[0]:
+             "target": f"{RATIO_TARGET}x", "total_ratio": f"{statistics.median(pairs['whole']):.2f}x"}
+    if pairs["to_97"]:
         found |= {"imgcls_to_97": f"{imgcls[0]:.0f} s", "plain_to_97": f"{plain[0]:.0f} s",
-                  "ratio_to_97": f"{imgcls[0] / plain[0]:.2f}x"}
+                  "ratio_to_97": f"{statistics.median(pairs['to_97']):.2f}x"}
     if _cpu_seconds(results, IMGCLS) is not None:
         found["cpu_ratio"] = f"{_cpu_seconds(results, IMGCLS) / _cpu_seconds(results, PLAIN):.2f}x"
     if "processes" in results:
