@@ -1,9 +1,8 @@
 """The recipe's learning-rate schedule: a linear warm-up, then a cosine decay to zero, stepped every optimizer step.
-
 The whole schedule is `warmup_cosine(step, total, warmup)`, a pure function of the step and the run's length (as
 nanoGPT's `get_lr`), in torch's `LambdaLR`. Its state in a checkpoint is the step count alone, never the length: a
-fit resumed with another length (a larger `max_epochs`, another world size) follows the schedule of the new length
-from the step it resumes at, and one that changes nothing continues bitwise. Any other scheduler arrives by
+fit resumed with another length (a larger `max_epochs`, another batch or world size) follows the schedule of the new
+length from the step it resumes at, and one that changes nothing continues bitwise. Any other scheduler arrives by
 `class_path` (`model.lr_scheduler`); the model passes the run's length to those that take it (see optim.py).
 """
 

@@ -327,7 +327,9 @@ def test_resume_on_another_world_size_rescales_the_learning_rate(tmp_path, folde
     out = one.stdout + one.stderr
     assert one.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "learning rates rescaled x0.5 (linear scaling" in out
-    assert "lr schedule: 6 -> 8 optimizer steps; the cosine follows the new length from step 2" in out
+    # The run's length: the 2 steps taken, epoch 0 again and epoch 1 (4 steps each): 10 (Lightning's estimate, 8,
+    # would end the cosine at step 8 and train the last steps at lr 0).
+    assert "lr schedule: 6 -> 10 optimizer steps; the cosine follows the new length from step 2" in out
     assert ("resuming on 1 processes, saved on 2 inside epoch 0, which restarts from its first batch on the new "
             "shards: the 16 samples it had drawn before the checkpoint are drawn again, none is skipped") in out
     resumed = torch.load(preempted, weights_only=True, map_location="cpu")
@@ -340,10 +342,11 @@ def test_resume_on_another_world_size_rescales_the_learning_rate(tmp_path, folde
                    env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
     out = back.stdout + back.stderr
     assert "learning rates rescaled x2 (linear scaling" in out
-    assert "lr schedule: 8 -> 6 optimizer steps; the cosine follows the new length from step 3" in out
+    assert "lr schedule: 10 -> 9 optimizer steps; the cosine follows the new length from step 3" in out  # 3 + 2 x 3
     assert "saved on 1 inside epoch 0, which restarts from its first batch on the new shards: the 4 samples" in out
     final = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert (final["global_step"], final["epoch"]) == (3 + 3 + 3, 1)
+    assert final["lr_plan"] == {"total_steps": 9}  # planned to end at the step the run ended at
     assert final["lr_schedulers"][0]["_last_lr"] == [0.0] * 4  # the schedule's end, though the length changed twice
 
 

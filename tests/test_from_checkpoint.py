@@ -201,6 +201,21 @@ def test_a_finished_run_is_not_resumed_into_a_no_op_and_its_config_is_kept(run_c
     assert yaml.safe_load((run_copy / "fit_config.yaml").read_text())["trainer"]["max_epochs"] == 3
 
 
+def test_training_on_at_another_batch_size_ends_the_schedule_at_the_runs_last_step(run_copy):
+    """Raising max_epochs with another batch size: the run's length is the steps taken plus the new epoch's, at the
+    new size. Lightning's estimate (max_epochs x the steps of an epoch now) ended the cosine before the epoch began,
+    which then trained at lr 0."""
+    before = torch.load(run_copy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    proc = run_cli("fit", "--config", str(run_copy / "config.yaml"), "--trainer.max_epochs", "3",
+                   "--data.batch_size", "32")
+    after = torch.load(run_copy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert after["epoch"] == 2 and before < after["global_step"] < before * 3 // 2  # an epoch of fewer, larger steps
+    assert (f"lr schedule: {before} -> {after['global_step']} optimizer steps; the cosine follows the new length from "
+            f"step {before}") in proc.stdout + proc.stderr
+    assert after["lr_plan"] == {"total_steps": after["global_step"]}
+    assert after["lr_schedulers"][0]["_last_lr"] == [0.0] * 4  # reached at the run's last step, not before
+
+
 @pytest.mark.parametrize(("override", "named"), [
     (["--model.optimizer.lr", "0.4"], "model.optimizer.init_args.lr=0.4 (the checkpoint's: 0.016)"),
     (["--model.lr_scheduler.warmup_epochs", "2"],
