@@ -200,6 +200,9 @@ CLI_CASES = {
     "a ViT at 32 px": (["--model.net.arch", "vit_b_16"], "data.train_transform.image_size=32: the network takes 224"),
     "a timm ViT at 32 px": (["--model.net.arch", "timm/vit_tiny_patch16_224"],
                             "data.train_transform.image_size=32: the network takes 224 px images only"),
+    "a file as the run directory": (["--trainer.default_root_dir", str(CONFIGS / "quickstart.yaml")],
+                                    f"trainer.default_root_dir={CONFIGS / 'quickstart.yaml'} is a file; the run "
+                                    "directory is a folder"),
     "a ViT with progressive resizing": (["--model.net.arch", "timm/vit_tiny_patch16_224", "--data.image_size", "224",
                                          "--data.progressive_resizing", "{0: 128, 1: 224}"],
                                         "data.progressive_resizing={0: 128, 1: 224}: the network takes 224 px images "

@@ -36,6 +36,9 @@ def place_in_run_dir(config, subcommand: str) -> Path:
     """Point what a subcommand's config leaves unset into its run directory, and return it: trainer.default_root_dir,
     the loggers' empty save_dir, the ModelCheckpoints' dirpath (`<run>/checkpoints`)."""
     folder = run_dir(config)
+    if folder.exists() and not folder.is_dir():  # Lightning's makedirs would raise FileExistsError, a traceback
+        raise NotADirectoryError(f"trainer.default_root_dir={folder} is a file; the run directory is a folder (a new "
+                                 "path is made one)")
     config.trainer.default_root_dir = str(folder)
     for logger in config_loggers(config):
         init = getattr(logger, "init_args", None)
