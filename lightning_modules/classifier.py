@@ -33,6 +33,7 @@ from lightning_modules.optim import (
     plain_callable,
     replan_lr_scheduler,
     rescale_learning_rates,
+    resumed_length,
     target_of,
     unset_arguments,
 )
@@ -278,8 +279,7 @@ class ImageClassifier(L.LightningModule):
                 for (is_head, decays), params in sorted(groups.items())]
 
     def steps(self) -> tuple[int, int]:
-        """(optimizer steps of the run, optimizer steps per epoch): those Lightning plans for a fit from its start;
-        a resumed fit's own length is `resumed_steps`."""
+        """(optimizer steps of a fit from its start, optimizer steps per epoch); a resumed fit's: resumed_length."""
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         # Optimizer steps per epoch from the loader, not total_steps / max_epochs: with max_steps and no max_epochs,
         # "epoch" would be the whole run, and warm-up with it.
@@ -291,26 +291,6 @@ class ImageClassifier(L.LightningModule):
         else:  # no loader yet (an iterable of unknown length): the configured epochs
             per_epoch = total_steps // epochs if epochs and epochs > 0 else total_steps
         return total_steps, max(1, min(total_steps, per_epoch))
-
-    def resumed_steps(self, steps_per_epoch: int) -> int:
-        """The optimizer steps a resumed fit will have taken at its end, once its checkpoint and data position are
-        restored: those taken, the rest of the epoch in progress (none where the epoch restarts on another world
-        size) and `steps_per_epoch` for each epoch after it. Lightning's estimate, max_epochs x the steps of an epoch
-        now, is wrong once an epoch's steps changed (another batch size or world size): the schedule would reach its
-        end early and train the last epochs at lr 0, or end above it."""
-        trainer = self.trainer
-        loop = trainer.fit_loop
-        if trainer.max_epochs is None or trainer.max_epochs < 0 or not math.isfinite(trainer.num_training_batches):
-            return self.steps()[0]  # a run set by max_steps alone: that many
-        epochs = loop.epoch_progress.current
-        inside = epochs.started > epochs.processed  # saved inside an epoch, which continues
-        done = loop.epoch_loop.batch_progress.current.processed if inside else 0
-        rest = math.ceil(max(0, trainer.num_training_batches - done) / trainer.accumulate_grad_batches)
-        later = max(0, trainer.max_epochs - trainer.current_epoch - 1) * steps_per_epoch
-        total = trainer.global_step + (rest if inside else steps_per_epoch) + later
-        if trainer.current_epoch >= trainer.max_epochs:
-            total = trainer.global_step
-        return max(1, min(total, trainer.max_steps) if trainer.max_steps >= 0 else total)
 
     def lr_multipliers(self, groups: list[dict]) -> list[float]:
         """Per param group: lr_scale (per 256 images -> this global batch), times backbone_lr_ratio for the backbone."""
@@ -339,7 +319,6 @@ class ImageClassifier(L.LightningModule):
         head = next(i for i, g in enumerate(optimizer.param_groups) if g["is_head"])
         peak = optimizer.param_groups[head]["lr"]
         total_steps, steps_per_epoch = self.steps()
-        self._planned_steps: int | None = None  # a resumed fit's own length, set in on_train_start
         scheduler = build_lr_scheduler(self.lr_scheduler_factory, optimizer, total_steps=total_steps,
                                        steps_per_epoch=steps_per_epoch, multipliers=multipliers)
         warmup = getattr(scheduler, "warmup_steps", None)
@@ -352,15 +331,13 @@ class ImageClassifier(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_start(self) -> None:
-        """A resumed fit whose run length differs from the one its checkpoint's schedule was planned for (a larger
-        max_epochs, max_steps, another batch size, world size or accumulation) follows the schedule of the new length
-        from the step it resumes at: what a fit planned this long from the start has there, so it ends at the
-        schedule's end value at the fit's last step. A scheduler that takes no total_steps continues as saved."""
+        """A resumed fit whose length differs from its checkpoint's plan (another max_epochs, max_steps, batch size,
+        world size or accumulation) follows the schedule of the new length from its resume step, as a fit planned that
+        long from its start, to the end value at its last step. One without total_steps continues as saved."""
         (saved, step), self._saved_plan = getattr(self, "_saved_plan", (None, 0)), (None, 0)
         total_steps, steps_per_epoch = self.steps()
-        if saved is not None:
-            total_steps = self._planned_steps = self.resumed_steps(steps_per_epoch)
-        if saved is None or saved["total_steps"] == total_steps:
+        self._planned_steps = (resumed_length(self.trainer, steps_per_epoch) or total_steps) if saved else None
+        if saved is None or saved["total_steps"] == (total_steps := self._planned_steps):
             return
         config = self.trainer.lr_scheduler_configs[0]
         name = type(config.scheduler).__name__

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -129,6 +130,26 @@ def replan_lr_scheduler(factory: Callable, optimizer: torch.optim.Optimizer, *, 
         for _ in range(step):
             scheduler.step()
     return scheduler
+
+
+def resumed_length(trainer, steps_per_epoch: int) -> int | None:
+    """The optimizer steps a resumed fit will have taken at its end, once its checkpoint and data position are
+    restored (the model's on_train_start): those taken, the rest of the epoch in progress (all of it where the epoch
+    restarts on another world size) and `steps_per_epoch` for each later epoch; None for a run set by max_steps alone.
+    Lightning's estimate, max_epochs x the steps of an epoch now, is wrong once an epoch's steps changed (another batch
+    size or world size): the schedule would end early and train the last epochs at lr 0, or end above it."""
+    loop, max_epochs = trainer.fit_loop, trainer.max_epochs
+    if max_epochs is None or max_epochs < 0 or not math.isfinite(trainer.num_training_batches):
+        return None
+    epochs = loop.epoch_progress.current
+    if epochs.started > epochs.processed:  # saved inside an epoch, which goes on from the batches it has done
+        done = loop.epoch_loop.batch_progress.current.processed
+        this = math.ceil(max(0, trainer.num_training_batches - done) / trainer.accumulate_grad_batches)
+    else:
+        this = steps_per_epoch
+    later = max(0, max_epochs - trainer.current_epoch - 1) * steps_per_epoch
+    total = trainer.global_step + (this + later if trainer.current_epoch < max_epochs else 0)
+    return max(1, min(total, trainer.max_steps) if trainer.max_steps >= 0 else total)
 
 
 def rescale_learning_rates(checkpoint: dict, factor: float) -> None:

@@ -94,7 +94,8 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
     assert [r[0] for r in tta[1:]] == ["plain PyTorch loop, tensors in memory (1 seed)",
                                        "imgcls fit (PNG files, loader, Lightning) (1 seed)",
                                        *(f"{v} (1 seed)" for v in variants),
-                                       "imgcls / plain (targets: 97% <= 1.2, whole <= 1.1)",
+                                       "imgcls / plain within each seed's pair, median (min-max) (targets: 97% <= "
+                                       "1.2, whole <= 1.1)",
                                        "run", *variants]
     assert tta[0][1:3] == ["time to 97% val/acc (median)", "time to 99% val/acc (median)"]
     assert tta[0][4] == "whole process, launch to exit (median)" and all(_num(r[4][:-2]) > 0 for r in tta[1:6])
