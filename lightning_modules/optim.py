@@ -143,8 +143,8 @@ def resumed_length(trainer, steps_per_epoch: int) -> int | None:
         return None
     epochs = loop.epoch_progress.current
     if epochs.started > epochs.processed:  # saved inside an epoch, which goes on from the batches it has done
-        done = loop.epoch_loop.batch_progress.current.processed
-        this = math.ceil(max(0, trainer.num_training_batches - done) / trainer.accumulate_grad_batches)
+        done = loop.epoch_loop.batch_progress.current.processed  # an optimizer step each `accumulate` and at the end
+        this = steps_per_epoch - done // trainer.accumulate_grad_batches if done < trainer.num_training_batches else 0
     else:
         this = steps_per_epoch
     later = max(0, max_epochs - trainer.current_epoch - 1) * steps_per_epoch

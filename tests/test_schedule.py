@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -18,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_modules import ImageClassifier
+from lightning_modules.optim import resumed_length
 from lightning_modules.schedules import WarmupCosine, warmup_cosine
 from tests.user_plugins import LinearDecay, SmallGeMNet
 
@@ -119,3 +121,30 @@ def test_a_users_scheduler_gets_the_new_length_where_it_takes_total_steps_else_c
 def test_the_schedule_is_one_function_of_the_step_and_the_length():
     assert [warmup_cosine(s, 8, 2) for s in (0, 1, 2, 8, 9)] == [0.5, 1.0, 1.0, 0.0, 0.0]
     assert warmup_cosine(5, 8, 2) == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 6)))
+
+
+def _restored(*, step: int, epoch: int, inside: int | None, batches: int = 10, accumulate: int = 4,
+              max_epochs: int = 3, max_steps: int = -1) -> SimpleNamespace:
+    """A trainer as a resumed fit's on_train_start sees it: `inside` batches done of epoch `epoch` in progress, or
+    None at an epoch's end (Lightning's progress counters: started > processed inside an epoch)."""
+    progress = SimpleNamespace(started=epoch + 1, processed=epoch if inside is not None else epoch + 1)
+    batch = SimpleNamespace(processed=inside if inside is not None else batches)
+    loop = SimpleNamespace(epoch_progress=SimpleNamespace(current=progress),
+                           epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=batch)))
+    return SimpleNamespace(fit_loop=loop, max_epochs=max_epochs, max_steps=max_steps, global_step=step,
+                           current_epoch=epoch, num_training_batches=batches, accumulate_grad_batches=accumulate)
+
+
+@pytest.mark.parametrize(("trainer", "length"), [
+    # 10 batches, a step each 4 and at the epoch's last: 3 steps an epoch, 9 in all
+    (_restored(step=3, epoch=1, inside=None), 9),  # at epoch 1's start (after epoch 0)
+    (_restored(step=4, epoch=1, inside=5), 9),  # 5 batches into epoch 1: steps at its batches 8 and 10 left
+    (_restored(step=4, epoch=1, inside=6), 9),  # mid-window: the same two left
+    (_restored(step=6, epoch=1, inside=10), 9),  # after its last batch, before its end
+    (_restored(step=3, epoch=1, inside=None, max_steps=7), 7),
+    (_restored(step=3, epoch=1, inside=None, max_epochs=-1, max_steps=7), None),  # max_steps alone: Lightning's own
+    # trained at another batch: 20 steps taken in epochs 0 and 1, 3 an epoch now
+    (_restored(step=20, epoch=2, inside=None), 23),
+])
+def test_a_resumed_fits_length_counts_the_steps_its_data_has_left(trainer, length):
+    assert resumed_length(trainer, steps_per_epoch=3) == length
