@@ -1,4 +1,5 @@
 """The recipe's learning-rate schedule: a linear warm-up, then a cosine decay to zero, stepped every optimizer step.
+
 The whole schedule is `warmup_cosine(step, total, warmup)`, a pure function of the step and the run's length (as
 nanoGPT's `get_lr`), in torch's `LambdaLR`. Its state in a checkpoint is the step count alone, never the length: a
 fit resumed with another length (a larger `max_epochs`, another batch or world size) follows the schedule of the new
