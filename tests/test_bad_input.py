@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import pytest
+import torchvision
 from PIL import Image
 
 import datamodules.bad_images as bad_images
@@ -316,3 +317,18 @@ def test_a_file_broken_after_the_scan_is_one_line_naming_it(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"imgcls: error: cannot read image {victim}: "), last
     assert "Traceback" not in proc.stderr
+
+
+def test_a_progressive_resizing_schedule_is_refused_for_a_vit_fit_only():
+    """validate, test and predict never resize by epoch: a config that still names a schedule evaluates as it is."""
+    from types import SimpleNamespace
+
+    from training.cli.preflight import check_input_side
+
+    vit = torchvision.models.VisionTransformer(image_size=64, patch_size=16, num_layers=1, num_heads=1,
+                                               hidden_dim=16, mlp_dim=16, num_classes=2)
+    side = SimpleNamespace(image_size=64)
+    data = SimpleNamespace(train_transform=side, eval_transform=side, progressive_resizing={0: 32, 1: 64})
+    check_input_side(vit, data)  # an evaluation
+    with pytest.raises(ValueError, match=r"^data.progressive_resizing=\{0: 32, 1: 64\}: the network takes 64 px"):
+        check_input_side(vit, data, fit=True)

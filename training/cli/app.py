@@ -202,7 +202,7 @@ class ImgclsCLI(LightningCLI):
     def before_fit(self) -> None:
         check_monitored(self.trainer, self.model, self.datamodule)
         check_batch_norm(self.model, self.datamodule)
-        check_input_side(self.model, self.datamodule)
+        check_input_side(self.model, self.datamodule, fit=True)
 
     def before_validate(self) -> None:
         check_input_side(self.model, self.datamodule)

@@ -42,9 +42,9 @@ def check_batch_norm(model, datamodule) -> None:
                          "raise data.batch_size (trainer.accumulate_grad_batches makes a larger effective batch)")
 
 
-def check_input_side(model, datamodule) -> None:
+def check_input_side(model, datamodule, fit: bool = False) -> None:
     """A network built for one image side (a vision transformer's position embeddings: torchvision's ViT, timm's with
-    a fixed patch embedding) given images of another, at the start or from an epoch of data.progressive_resizing on:
+    a fixed patch embedding) given images of another, or in a `fit` from an epoch of data.progressive_resizing on:
     torchvision and timm assert at that step ("Wrong image height! Expected 224 but got 32!"), naming no key. Said
     before the run, with the key."""
     expected = fixed_side(model)
@@ -55,7 +55,7 @@ def check_input_side(model, datamodule) -> None:
         if side is not None and int(side) != expected:
             raise ValueError(f"data.{name}.image_size={side}: the network takes {expected} px images only (its "
                              f"position embeddings are built for that side); set data.image_size {expected}")
-    schedule = getattr(datamodule, "progressive_resizing", None) or {}
+    schedule = (getattr(datamodule, "progressive_resizing", None) or {}) if fit else {}
     if any(int(side) != expected for side in schedule.values()):  # each epoch's batches resized to its side
         raise ValueError(f"data.progressive_resizing={schedule}: the network takes {expected} px images only (its "
                          "position embeddings are built for that side); set data.progressive_resizing null")
