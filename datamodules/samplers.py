@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import signal
 
 import numpy as np
 import torch
@@ -113,14 +114,19 @@ class SeededDraws(DistributedSampler):
 
 
 def worker_init(worker_id: int, rank: int) -> None:
-    """Start of each loader worker: freeze the heap it inherited from the trainer process, then seed it as Lightning
-    does (Lightning adds its own seeding only to loaders that have no worker_init_fn).
+    """Start of each loader worker: leave Ctrl-C to the trainer process, freeze the heap it inherited from it, then
+    seed it as Lightning does (Lightning adds its own seeding only to loaders that have no worker_init_fn).
+
+    A terminal's Ctrl-C reaches every process of the job. A worker that took it would exit, and the trainer's next
+    batch would fail ("DataLoader worker exited unexpectedly") before the checkpoint that its first Ctrl-C asks for
+    (training.resume.Preemption); the workers end with the trainer process, as on any exit.
 
     A garbage collection in a forked worker writes to every object of the parent's heap (imports, the model's
     Python objects) and so copies those pages into the worker (measured in benchmarks/worker_memory.py;
     docs/PERFORMANCE.md, "Loader-worker memory"). Frozen objects are never collected, and the worker's own objects
     still are.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     gc.freeze()
     if int(os.environ.get("PL_SEED_WORKERS", 0)):
         pl_worker_init_function(worker_id, rank=rank)

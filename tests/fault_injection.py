@@ -18,19 +18,27 @@ class KillAt(Callback):
     the signal, so that a test can time what the other processes do after it; with `train_start` and `rank`, each
     other rank writes `<stamp>.rank<N>` as it starts that next step, before the collectives that the lost rank never
     joins (DDP's buffer broadcast in the forward, the gradient all-reduce in the backward). `wait` seconds pass
-    before the signal, for what the process's other threads write meanwhile (W&B's run file, each second).
+    before the signal, for what the process's other threads write meanwhile (W&B's run file, each second). `group`
+    sends it to the process group instead, the loader workers included, as a terminal's Ctrl-C does.
     """
 
     def __init__(self, step: int, where: str = "train", rank: int | None = None, sig: int = 9,
-                 stamp: str | None = None, wait: float = 0.0) -> None:
+                 stamp: str | None = None, wait: float = 0.0, group: bool = False) -> None:
         self.step, self.where, self.rank, self.sig, self.stamp, self.wait = step, where, rank, sig, stamp, wait
+        self.group, self.sent = group, False
 
     def _maybe_kill(self, trainer) -> None:
-        if trainer.global_step == self.step and (self.rank is None or trainer.global_rank == self.rank):
+        # Once: a signal the process survives (SIGTERM, Ctrl-C) is not sent again at the step's next validation batch.
+        if trainer.global_step == self.step and (self.rank is None or trainer.global_rank == self.rank) \
+                and not self.sent:
+            self.sent = True
             time.sleep(self.wait)  # what the process's other threads do meanwhile (a logger's writes)
             if self.stamp:
                 Path(self.stamp).write_text(repr(time.time()))
-            os.kill(os.getpid(), self.sig)
+            if self.group:
+                os.killpg(0, self.sig)
+            else:
+                os.kill(os.getpid(), self.sig)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.where == "train":

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from tests.helpers import (
     last_weights as _weights,
 )
 from training.resume.checkpoints import checkpoint_problem
+from training.resume.preemption import Preemption
 
 STEPS_PER_EPOCH = 4  # 32 train images / batch 8
 # (global step, where, the checkpoint a resume must start from); checkpoints every 2 steps, only the newest step one
@@ -209,22 +211,60 @@ def test_run_cli_timeout_kills_the_processes_the_command_started(tmp_path, monke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_preemption_signal_saves_and_exits_nonzero_then_resumes(tmp_path, data, sig):
     # SIGUSR1 (SLURM) with the production config's background writer: the exit must wait for preempted.ckpt.
     config = _config(tmp_path, data, background_writes=sig == signal.SIGUSR1)
     run = tmp_path / "run"
-    # The test sends the signal to itself mid-step (as SLURM or Kubernetes would send it from outside).
-    proc = _fit(config, run, *kill_args(3, "train_start"), f"--trainer.callbacks.sig={int(sig)}", check=False)
+    # The test sends the signal to itself mid-step (as SLURM or Kubernetes would send it from outside), and saves
+    # that step. Ctrl-C goes to its process group, as a terminal's does, loader workers included, during the first
+    # validation (after its first batch): the validation's next batches and step 5 still load, and step 5 is saved.
+    kill, step = (kill_args(4, "val") + ["--trainer.callbacks.group=true", "--data.num_workers=1"], 5) \
+        if sig == signal.SIGINT else (kill_args(3, "train_start"), 4)
+    proc = _fit(config, run, *kill, f"--trainer.callbacks.sig={int(sig)}", check=False)
     assert proc.returncode == 128 + sig, proc.stderr[-3000:]
     saved = run / "checkpoints" / "preempted.ckpt"
     assert saved.is_file()
-    assert torch.load(saved, weights_only=True)["global_step"] == 4  # the step that was running when it came
-    if sig == signal.SIGUSR1:
+    assert torch.load(saved, weights_only=True)["global_step"] == step  # the step running when it came, or the next
+    out = proc.stdout + proc.stderr
+    assert f"{signal.Signals(sig).name} received: saved {saved} at step {step}" in out
+    assert "`weights_only` was not set" not in out  # Lightning's line for a save that does not say what it holds
+    if sig == signal.SIGINT:
+        assert "Ctrl-C: stopping at the end of this training step, with a checkpoint" in out
+    if sig != signal.SIGTERM:
         return  # the same save path as SIGTERM: resuming it once is enough
     resumed = _fit(config, run)
     assert f"resuming from {saved}" in resumed.stdout + resumed.stderr
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2 * STEPS_PER_EPOCH
+
+
+def test_a_second_ctrl_c_interrupts_at_once_and_an_ignored_one_stays_ignored():
+    """The first Ctrl-C of a fit only asks for the save at the step end and puts the previous handler back, so the
+    second raises KeyboardInterrupt where it lands (Lightning's shutdown); a fit started with SIGINT ignored (a script's
+    background job) keeps ignoring it. After fit, every handler is the one from before."""
+    trainer = types.SimpleNamespace(world_size=1)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a test worker may ignore it)
+        guard = Preemption()
+        guard.on_train_start(trainer, None)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert guard._received == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        guard.teardown(trainer, None, "fit")
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        guard = Preemption()
+        guard.on_train_start(trainer, None)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert guard._received == 0 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        guard.teardown(trainer, None, "fit")
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM / SIGUSR1 save a checkpoint at a step end, then exit for a requeue."""
+"""Preemption: SIGTERM / SIGUSR1 (and a first Ctrl-C) save a checkpoint at a step end, then exit."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ class Preemption(Callback):
     asynchronous all-reduce (MAX) of the flag on a CPU (gloo) process group, and the next step reads its result. The
     GPU never waits for it (no device tensor, no `.item()` on one), and the network round trip overlaps a whole step;
     the save comes one step later than the signal.
+
+    Ctrl-C (SIGINT) is taken the same way, once: the fit stops at the end of the step with `preempted.ckpt` and exits
+    130, where Lightning's KeyboardInterrupt would drop every step since the last checkpoint. The first Ctrl-C puts
+    the previous handler back, so a second one interrupts at once (Lightning's shutdown, exit 1, no save).
     """
 
     def __init__(self) -> None:
@@ -36,10 +40,16 @@ class Preemption(Callback):
 
     def _handler(self, signum, frame) -> None:
         self._received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signum, self._previous.pop(signum))  # the next Ctrl-C interrupts, as it did before fit
+            rank_zero_info("\nCtrl-C: stopping at the end of this training step, with a checkpoint (Ctrl-C again "
+                           "to stop at once, without one)")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Installed after Lightning's signal connector, which it replaces for the duration of fit.
-        for sig in PREEMPT_SIGNALS:
+        for sig in (*PREEMPT_SIGNALS, signal.SIGINT):
+            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # started with SIGINT ignored (a script's `imgcls fit ... &`): it stays so
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handler)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
@@ -74,7 +84,8 @@ class Preemption(Callback):
         if not received:
             return
         path = checkpoint_dir(trainer) / PREEMPTED
-        trainer.save_checkpoint(path)  # collective: every rank calls it, rank 0 writes
+        # The full state (unset, Lightning logs that it defaults to it); collective: every rank calls it, rank 0 writes.
+        trainer.save_checkpoint(path, weights_only=False)
         name = signal.Signals(received).name
         rank_zero_info(f"{name} received: saved {path} at step {trainer.global_step}; exiting with code "
                        f"{128 + received}. Resume with the same command plus --ckpt_path last (or auto_resume).")
