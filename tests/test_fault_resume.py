@@ -241,7 +241,8 @@ def test_preemption_signal_saves_and_exits_nonzero_then_resumes(tmp_path, data, 
 def test_a_second_ctrl_c_interrupts_at_once_and_an_ignored_one_stays_ignored():
     """The first Ctrl-C of a fit only asks for the save at the step end and puts the previous handler back, so the
     second raises KeyboardInterrupt where it lands (Lightning's shutdown); a fit started with SIGINT ignored (a script's
-    background job) keeps ignoring it. After fit, every handler is the one from before."""
+    background job) keeps ignoring it. After fit, every handler is the one from before, and a next fit of the same
+    Trainer starts without the request."""
     trainer = types.SimpleNamespace(world_size=1)
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -255,6 +256,9 @@ def test_a_second_ctrl_c_interrupts_at_once_and_an_ignored_one_stays_ignored():
             os.kill(os.getpid(), signal.SIGINT)
         guard.teardown(trainer, None, "fit")
         assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+        guard.on_train_start(trainer, None)  # the same Trainer's next fit (a notebook's) starts without the request
+        assert guard._received == 0
+        guard.teardown(trainer, None, "fit")
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         guard = Preemption()

@@ -47,6 +47,7 @@ class Preemption(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Installed after Lightning's signal connector, which it replaces for the duration of fit.
+        self._received = 0  # a signal of an earlier fit of this Trainer (a notebook's) stopped that one only
         for sig in (*PREEMPT_SIGNALS, signal.SIGINT):
             if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
                 continue  # started with SIGINT ignored (a script's `imgcls fit ... &`): it stays so
