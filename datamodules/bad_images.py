@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -72,15 +72,15 @@ def find_bad_images(paths: list[str], workers: int | None = None, progress: bool
     """
     workers = workers or min(32, (os.cpu_count() or 1) + 4)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        def decode(todo: list[str]) -> list[str | None]:
+        def decode(todo: list[str]) -> Iterator[str | None]:  # in order, each as soon as it and those before are
             results = pool.map(image_problem, todo)
             if progress and len(todo) >= _PROGRESS_FROM:
                 from rich.progress import track
 
                 results = track(results, total=len(todo), description="checking images", transient=True)
-            return list(results)
+            return results
 
-        verdicts = decode(paths) if cache is None else cache.verdicts(paths, pool, decode)
+        verdicts = list(decode(paths)) if cache is None else cache.verdicts(paths, pool, decode)
     return [(p, why) for p, why in zip(paths, verdicts, strict=True) if why is not None]
 
 
@@ -122,9 +122,10 @@ class ScanCache:
                 "(data.scan_cache)")
 
     def verdicts(self, paths: list[str], pool: ThreadPoolExecutor,
-                 decode: Callable[[list[str]], list[str | None]]) -> list[str | None]:
+                 decode: Callable[[list[str]], Iterable[str | None]]) -> list[str | None]:
         """The verdict of each of `paths` (None: it decodes, else why not): from the cache where its size and mtime
-        are unchanged, from `decode` for the rest; then the cache is written if it changed."""
+        are unchanged, from `decode` for the rest; then the cache is written if it changed. A scan interrupted
+        (Ctrl-C) writes the verdicts it has, so that the next start decodes only the rest."""
         start = time.time_ns()
         n = len(self.prefix)
         keys = [p[n:] if p.startswith(self.prefix) else p for p in paths]
@@ -140,13 +141,19 @@ class ScanCache:
             hit[hit] = (old_stat[rows[hit]] == stat[hit]).all(axis=1)
             codes[hit] = old_codes[rows[hit]]
         todo = np.flatnonzero(codes == _UNKNOWN)
-        found = decode([paths[i] for i in todo])
         code_of = {why: c for c, why in enumerate(reasons)}
-        for i, why in zip(todo, found, strict=True):
-            codes[i] = _GOOD if why is None else code_of.setdefault(why, len(code_of))
+        keep = (stat[:, 0] >= 0) & (stat[:, 1] < start - _RACY_NS)  # not racy, and stat could read it
+        try:
+            for i, why in zip(todo, decode([paths[i] for i in todo]), strict=True):
+                codes[i] = _GOOD if why is None else code_of.setdefault(why, len(code_of))
+        except BaseException:  # Ctrl-C in a long cold scan: the verdicts reached so far are kept for the next start
+            keep &= codes != _UNKNOWN
+            if keep.any():
+                self._save([k for k, kept in zip(keys, keep, strict=True) if kept], stat[keep], codes[keep],
+                           list(code_of))
+            raise
         reasons = list(code_of)
         self.known, self.checked, self.written = len(paths) - len(todo), len(todo), None
-        keep = (stat[:, 0] >= 0) & (stat[:, 1] < start - _RACY_NS)  # not racy, and stat could read it
         if keep.any() and (len(todo) or cached is None or len(cached[0]) != keep.sum()):
             self.written = self._save([k for k, kept in zip(keys, keep, strict=True) if kept], stat[keep],
                                       codes[keep], reasons)

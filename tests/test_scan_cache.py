@@ -199,3 +199,28 @@ def test_a_read_only_data_folder_keeps_its_cache_in_the_user_cache(tmp_path, dec
     assert decoded == [] and len(dm.train_set) == 8
     assert not list(root.glob(".imgcls-scan-cache*"))
     assert len(list((tmp_path / "user-cache" / "imgcls" / "scan").glob("*-train-val.npz"))) == 1
+
+
+def test_a_scan_interrupted_keeps_what_it_decoded_and_the_next_start_decodes_the_rest(tmp_path, monkeypatch):
+    """Ctrl-C in a long cold scan (ImageNet's takes minutes): the verdicts reached are written, the next start
+    decodes only the others."""
+    root = _data(tmp_path)
+    real, seen = bad_images.image_problem, []
+
+    def interrupted(path):
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+        seen.append(path)
+        return real(path)
+
+    monkeypatch.setattr(bad_images, "image_problem", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bad_images.find_bad_images([str(p) for p in sorted(root.rglob("*.png"))], workers=1,
+                                   cache=bad_images.ScanCache(root, "all"))
+    assert len(seen) == 5
+    cache = bad_images.ScanCache(root, "all")
+    decoded = []
+    monkeypatch.setattr(bad_images, "image_problem", lambda path: decoded.append(path) or real(path))
+    paths = [str(p) for p in sorted(root.rglob("*.png"))]
+    assert bad_images.find_bad_images(paths, workers=1, cache=cache) == []
+    assert cache.known == 5 and sorted(decoded) == sorted(set(paths) - set(seen))
