@@ -167,8 +167,10 @@ def choose_num_workers(hw: Hardware, device: str, devices_per_node: int = 1) -> 
         workers = min(8, max(1, hw.cores // max(1, devices_per_node)))
         return workers, f"{hw.cores} CPUs shared by {devices_per_node} GPU(s), at most 8 each"
     # On a CPU the compute threads use every core, so a loader process cannot overlap with them: it preempts one of
-    # them (and an intra-op parallel region waits for its slowest thread), and its batches cross processes. Decoding
-    # between steps in the training process costs less (benchmarks/time_to_accuracy.py, docs/PERFORMANCE.md).
-    return 0, ("images are decoded between steps in the training process, whose compute threads use every core: "
+    # them (and an intra-op parallel region waits for its slowest thread), and its batches cross processes. Measured,
+    # it moves imgcls fit's time by a few percent, one way or the other from run to run (benchmarks/time_to_accuracy.py,
+    # docs/PERFORMANCE.md): none spares a process and its memory.
+    return 0, ("images are decoded between steps in the training process; a loader process would share the cores "
+               "its compute threads use ("
                + quoted(hw.cpu_kind(), "one_loader_process_vs_none", "imgcls fit's time with one loader process over "
-                        "none:"))
+                        "none:") + ")")
