@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -26,6 +27,10 @@ class KillAt(Callback):
                  stamp: str | None = None, wait: float = 0.0, group: bool = False) -> None:
         self.step, self.where, self.rank, self.sig, self.stamp, self.wait = step, where, rank, sig, stamp, wait
         self.group, self.sent = group, False
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.sig == signal.SIGINT:  # a terminal's foreground job takes Ctrl-C (a pytest-xdist worker ignores it,
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # and what it starts inherits that)
 
     def _maybe_kill(self, trainer) -> None:
         # Once: a signal the process survives (SIGTERM, Ctrl-C) is not sent again at the step's next validation batch.
