@@ -249,6 +249,8 @@ def test_a_second_ctrl_c_interrupts_at_once_and_an_ignored_one_stays_ignored():
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a test worker may ignore it)
         guard = Preemption()
         guard.on_train_start(trainer, None)
+        # Checked before any Ctrl-C is sent: one that no handler took would interrupt the whole pytest session.
+        assert signal.getsignal(signal.SIGINT) == guard._handler
         os.kill(os.getpid(), signal.SIGINT)
         assert guard._received == signal.SIGINT
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -205,6 +205,7 @@ def test_a_scan_interrupted_keeps_what_it_decoded_and_the_next_start_decodes_the
     """Ctrl-C in a long cold scan (ImageNet's takes minutes): the verdicts reached are written, the next start
     decodes only the others."""
     root = _data(tmp_path)
+    paths = [str(p) for p in sorted(root.rglob("*.png"))]
     real, seen = bad_images.image_problem, []
 
     def interrupted(path):
@@ -215,12 +216,10 @@ def test_a_scan_interrupted_keeps_what_it_decoded_and_the_next_start_decodes_the
 
     monkeypatch.setattr(bad_images, "image_problem", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        bad_images.find_bad_images([str(p) for p in sorted(root.rglob("*.png"))], workers=1,
-                                   cache=bad_images.ScanCache(root, "all"))
+        bad_images.find_bad_images(paths, workers=1, cache=bad_images.ScanCache(root, "all"))
     assert len(seen) == 5
     cache = bad_images.ScanCache(root, "all")
     decoded = []
     monkeypatch.setattr(bad_images, "image_problem", lambda path: decoded.append(path) or real(path))
-    paths = [str(p) for p in sorted(root.rglob("*.png"))]
     assert bad_images.find_bad_images(paths, workers=1, cache=cache) == []
     assert cache.known == 5 and sorted(decoded) == sorted(set(paths) - set(seen))
