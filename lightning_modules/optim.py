@@ -75,31 +75,53 @@ def unset_arguments(factory: Callable, values: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in values.items() if k in accepted and given.get(k) is None}
 
 
-# torch's fused SGD kernel updates its momentum on the steps a GradScaler skips for an inf gradient (the first steps
-# of every fp16 run), and the weights turn nan a step later; its fused Adam, AdamW and Adagrad skip them as they should.
-# tests/test_internals.py fails once torch fixes it, so this can go.
-FUSED_UNSAFE_UNDER_GRAD_SCALER = (torch.optim.SGD,)
-
-
 def build_optimizer(factory: Callable, groups: list[dict], impl: str, *, grad_scaler: bool = False,
                     clipped_in_mixed_precision: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
     """`factory(groups)`, with `fused=True` or `foreach=True` when `impl` asks for it and the optimizer takes it; and
-    a note where a fused kernel was asked for and foreach given instead: because a GradScaler (16-mixed) would step
-    it wrongly, or because the gradients are clipped under mixed precision, where Lightning refuses to clip those of
-    a fused optimizer (it unscales them inside its step)."""
+    a note where a fused kernel was asked for and foreach given instead: because the gradients are clipped under mixed
+    precision, where Lightning refuses to clip those of a fused optimizer (it unscales them inside its step), or
+    because a GradScaler (16-mixed) would skip the first step of a fused SGD whose momentum cannot be primed with
+    zeros (`prime_fused_sgd_momentum`)."""
     kernels = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     note = None
     if impl == "fused" and "fused" not in unset_arguments(factory, kernels):
-        kernels = {"foreach": True}  # no fused kernel (timm's Lamb, RMSprop on some torch builds): the next best
+        # the config's own fused: true is kept; with none (timm's Lamb, RMSprop on some builds) or false: foreach
+        kernels = {} if (getattr(factory, "keywords", None) or {}).get("fused") else {"foreach": True}
     elif impl == "fused" and clipped_in_mixed_precision:
         kernels = {"foreach": True}
         note = ("optimizer_impl foreach, not fused: trainer.gradient_clip_val is set, and Lightning's mixed precision "
                 "clips no gradients of a fused optimizer")
-    elif impl == "fused" and grad_scaler and _is_subclass(target_of(factory), FUSED_UNSAFE_UNDER_GRAD_SCALER):
-        kernels = {"foreach": True}
-        note = (f"optimizer_impl foreach, not fused: torch's fused {target_of(factory).__name__} updates its momentum "
-                "on the steps 16-mixed's GradScaler skips, and the weights turn nan")
-    return factory(groups, **unset_arguments(factory, kernels)), note
+    elif impl == "fused" and grad_scaler and _is_subclass(target_of(factory), torch.optim.SGD):
+        probe = factory([{**group, "params": [torch.nn.Parameter(torch.zeros(1))]} for group in groups])
+        if any(group["momentum"] and group["dampening"] for group in probe.param_groups):
+            kernels = {"foreach": True}
+            note = ("optimizer_impl foreach, not fused: torch's fused SGD leaves its momentum undefined on a first "
+                    "step that 16-mixed's GradScaler skips, and with a dampening a zero momentum is not the same")
+    optimizer = factory(groups, **unset_arguments(factory, kernels))
+    prime_fused_sgd_momentum(optimizer)
+    return optimizer, note
+
+
+def prime_fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """A fused SGD with momentum gets zero momentum buffers before each step where a parameter with a gradient has
+    none (the groups without dampening).
+
+    torch's fused SGD allocates the momentum buffers of a group's first step with `torch.empty_like` and lets its
+    kernel fill them; a step that 16-mixed's GradScaler skips for an inf gradient (the first steps of a run, or those
+    of a backbone that thaws) leaves them undefined, and the weights turn nan a step later. Without dampening, a zero
+    buffer gives that first step's update exactly (0.9 x 0 + the gradient): the weights of torch's loop, bitwise
+    (tests/test_model.py), without the loop's host synchronisation at every step under a GradScaler.
+    tests/test_internals.py fails once torch defines the buffers itself, so this can go."""
+    if isinstance(optimizer, torch.optim.SGD) and optimizer.defaults.get("fused"):
+        optimizer.register_step_pre_hook(_zero_missing_momentum)
+
+
+def _zero_missing_momentum(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        if group["momentum"] and not group["dampening"]:
+            for param in group["params"]:
+                if param.grad is not None and "momentum_buffer" not in optimizer.state.get(param, {}):
+                    optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
 
 def _is_subclass(target: Callable, classes: tuple[type, ...]) -> bool:

@@ -393,27 +393,32 @@ def test_optuna_integration_keys_used_by_the_sweep():
                                                          integration._EPOCH_KEY)
 
 
-def test_torchs_fused_sgd_still_steps_on_a_step_the_grad_scaler_skips():
-    """Why lightning_modules/optim.py builds SGD with foreach, not fused, under a GradScaler (16-mixed): after one
-    overflowing step, which the scaler must skip whole, the fused kernel has written a momentum buffer (the loop left
-    none); on an H100 the production config's fit was nan at step 3. Once torch fixes this, the guard can go."""
+def test_torchs_fused_sgd_still_leaves_its_momentum_to_a_first_step_the_grad_scaler_skips():
+    """Why lightning_modules/optim.py primes a fused SGD's momentum with zeros (`prime_fused_sgd_momentum`): after an
+    overflowing first step, which a GradScaler must skip whole, torch's fused SGD holds a momentum buffer it never
+    wrote (`torch.empty_like`; torch's loop holds none); on an H100 the production config's fit was nan at step 3.
+    Once torch leaves none or zeros, the priming can go."""
     import torch
 
-    from lightning_modules.optim import FUSED_UNSAFE_UNDER_GRAD_SCALER
-
     states = {}
-    for fused in (False, True):
-        param = torch.nn.Parameter(torch.ones(4))
-        optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9, fused=fused or None)
-        scaler = torch.amp.GradScaler("cpu")
-        scaler.scale((param * float("inf")).sum()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        assert torch.equal(param.detach(), torch.ones(4))  # skipped: the weights are untouched either way
-        states[fused] = dict(optimizer.state[param])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # torch.empty* fills its memory with nan: never zeros by chance
+    try:
+        for fused in (False, True):
+            param = torch.nn.Parameter(torch.ones(4))
+            optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9, fused=fused or None)
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale((param * float("inf")).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            assert torch.equal(param.detach(), torch.ones(4))  # skipped: the weights are untouched either way
+            states[fused] = dict(optimizer.state[param])
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     assert states[False] == {}
-    assert "momentum_buffer" in states[True] and FUSED_UNSAFE_UNDER_GRAD_SCALER == (torch.optim.SGD,), (
-        "torch's fused SGD now skips an overflowing step whole: remove FUSED_UNSAFE_UNDER_GRAD_SCALER")
+    assert "momentum_buffer" in states[True] and torch.isnan(states[True]["momentum_buffer"]).all(), (
+        "torch's fused SGD now leaves no momentum, or zeros, after a skipped first step: remove "
+        "prime_fused_sgd_momentum from lightning_modules/optim.py")
 
 
 def test_wandb_still_takes_the_run_file_flush_interval():

@@ -20,6 +20,7 @@ from core.config_types import instantiate
 from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier, Levers, Recipe
 from lightning_modules.losses import BinaryCrossEntropy
+from lightning_modules.optim import build_optimizer
 from lightning_modules.schedules import WarmupCosine
 from lightning_modules.targets import batch_mix
 from tests.helpers import make_image_folder
@@ -193,35 +194,52 @@ def test_the_optimizer_impl_lever_is_passed_where_the_optimizer_takes_it_and_the
     assert built(lambda params: torch.optim.Adam(params, lr=0.1), "foreach")["foreach"] is None  # takes no kwargs
 
 
-def test_under_a_grad_scaler_sgd_gets_foreach_kernels_and_a_skipped_step_leaves_no_state(caplog):
-    """16-mixed's GradScaler skips the overflowing first steps of a run; torch's fused SGD would write its momentum on
-    them (tests/test_internals.py). A CPU has no 16-mixed, so the CUDA plugin's GradScaler is given by hand."""
+def test_under_a_grad_scaler_fused_sgd_skips_an_overflowing_first_step_and_then_trains_as_the_loop():
+    """16-mixed's GradScaler skips the overflowing first steps of a run; torch's fused SGD left its momentum undefined
+    on them (tests/test_internals.py) and an H100 fit was nan at step 3, so SGD was built with foreach, whose step
+    synchronises the host with the GPU every step. Fused SGD now gets zero momentum where a step would allocate it: a
+    fit whose first step overflows ends with the loop's weights, bitwise; fused AdamW skips such steps by itself. A
+    CPU has no 16-mixed, so the CUDA plugin's GradScaler is given by hand."""
     import lightning as L
     from lightning.pytorch.plugins import MixedPrecision
     from torch.utils.data import DataLoader, TensorDataset
 
-    def fit(optimizer) -> tuple[torch.optim.Optimizer, dict, dict]:
+    def fit(optimizer, impl: str) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:
         torch.manual_seed(0)
         model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
-                                batch_size=4, optimizer=optimizer, levers=Levers(optimizer_impl="fused"))
-        before = {k: v.clone() for k, v in model.state_dict().items() if "running" not in k and "num_batches" not in k}
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # every step of this fit overflows
-        trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                                batch_size=4, optimizer=optimizer, levers=Levers(optimizer_impl=impl))
+        # The first step overflows (skipped), the next ones do not: the scale falls from 2^100 to 1.
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100, backoff_factor=2.0**-100)
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
-        data = TensorDataset(torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,)))
+        data = TensorDataset(torch.randn(12, 3, 32, 32), torch.randint(0, 3, (12,)))
         trainer.fit(model, DataLoader(data, batch_size=4))
-        after = {k: v for k, v in model.state_dict().items() if k in before}
-        return trainer.optimizers[0], before, after
+        assert scaler.get_scale() == 1.0  # one step skipped, two taken
+        return trainer.optimizers[0], {k: v.detach().clone() for k, v in model.named_parameters()}
 
-    with caplog.at_level("INFO"):
-        sgd, before, after = fit(partial(torch.optim.SGD, lr=0.1, momentum=0.9))
-    assert sgd.defaults["foreach"] is True and not sgd.defaults["fused"]
-    assert all(not state for state in sgd.state.values())  # both steps skipped whole: no momentum written
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert "optimizer_impl foreach, not fused: torch's fused SGD updates its momentum" in caplog.text
-    adamw, _, _ = fit(partial(torch.optim.AdamW, lr=0.1))  # fused AdamW skips those steps as it should: kept fused
+    sgd = partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True)
+    fused, fused_weights = fit(sgd, "fused")
+    loop, loop_weights = fit(sgd, "foreach")
+    assert fused.defaults["fused"] is True and loop.defaults["foreach"] is True
+    assert all(torch.isfinite(v).all() for v in fused_weights.values())
+    assert all(torch.equal(fused_weights[k], loop_weights[k]) for k in loop_weights)
+    adamw, _ = fit(partial(torch.optim.AdamW, lr=0.1), "fused")  # fused AdamW skips those steps as it should
     assert adamw.defaults["fused"] is True
+
+
+def test_fused_sgd_with_dampening_under_a_grad_scaler_gets_foreach_and_a_config_s_fused_is_kept(caplog):
+    """A dampened momentum's first step is not a zero buffer's, so that SGD gets foreach kernels under a GradScaler,
+    and says so; `fused: true` in the config is kept (it was given foreach too, and torch refused both)."""
+    params = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
+    dampened, note = build_optimizer(partial(torch.optim.SGD, lr=0.1, momentum=0.9, dampening=0.1), params, "fused",
+                                     grad_scaler=True)
+    assert dampened.defaults["foreach"] is True and not dampened.defaults["fused"]
+    assert note.startswith("optimizer_impl foreach, not fused: torch's fused SGD leaves its momentum undefined")
+    assert build_optimizer(partial(torch.optim.SGD, lr=0.1, momentum=0.9, dampening=0.1), params, "fused")[0].defaults[
+        "fused"] is True  # no GradScaler: no skipped step
+    own, note = build_optimizer(partial(torch.optim.SGD, lr=0.1, fused=True), params, "fused")
+    assert own.defaults["fused"] is True and not own.defaults["foreach"] and note is None
 
 
 def test_clipped_gradients_under_mixed_precision_get_foreach_kernels(caplog):
