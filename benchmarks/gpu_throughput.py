@@ -2,10 +2,10 @@
 
     python -m benchmarks.gpu_throughput [--quick]
 
-The step is the production recipe's compute: channels_last, fp16 autocast, torch.compile and fused SGD (a fit under
-16-mixed's GradScaler steps foreach SGD instead: lightning_modules/optim.py), on a synthetic batch already on the
-GPU, so the figure is the compute ceiling the input pipeline has to feed. Then the
-GPU side of `data.augment_on_device` (nvJPEG decode, RandomResizedCrop, flip, normalize) on photo-like JPEGs.
+The step is the production recipe's compute: channels_last, fp16 autocast, torch.compile and fused SGD, on a
+synthetic batch already on the GPU and without the fit's GradScaler, normalisation and metrics, so the figure is the
+compute ceiling the input pipeline has to feed. Then the GPU side of `data.augment_on_device` (nvJPEG decode,
+RandomResizedCrop, flip, normalize) on photo-like JPEGs.
 """
 
 from __future__ import annotations
