@@ -19,7 +19,9 @@ one `imgcls fit` process of its own (`python -m training.cli`), whose `StepClock
 - the GPU's busy fraction: the GPU's time inside the training steps (CUDA events around each), over the wall time;
 - the device's time decoding and augmenting a batch (`data.augment_on_device`; events around the DataModule's
   `on_after_batch_transfer`), and the host's time between two steps: fetching the next batch from the loader
-  workers, its copy and the device transforms' launch (free while the GPU still runs queued work).
+  workers, its copy and the device transforms' launch (free while the GPU still runs queued work);
+- where the default path's step spends the device's time: its kernels over a few steps after the timed ones, under
+  torch's profiler (the page names the longest), for a step that falls short of the synthetic one (GPU throughput).
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ class StepClock(Callback):
     """Times the training steps of a fit without synchronising them one by one (a synchronisation per step would keep
     the host from queueing a step while the GPU runs the one before): the host's clock at each step's start and end,
     and on CUDA events around each step and around the device-side decode and augmentation, read after the fit. The
-    timed window is bracketed by the only two synchronisations: after the last warm-up step and at the end of
-    training. Writes JSON to `out` at the end of the fit (rank 0)."""
+    timed window is bracketed by the only two synchronisations: after the last warm-up step and after the last
+    timed one. The last `profile` steps of the fit, after the window, run under torch's profiler: the device's time
+    by kernel (the host's by operator without CUDA). Writes JSON to `out` at the end of the fit (rank 0)."""
 
-    def __init__(self, out: str, warmup: int = 0) -> None:
-        self.out, self.warmup = out, warmup
+    def __init__(self, out: str, warmup: int = 0, profile: int = 0) -> None:
+        self.out, self.warmup, self.profile = out, warmup, profile
+        self._profiler = None
         self.steps: list[dict] = []
         self._events: list[list] = []  # per step: [its begin, its end, its batch's device transforms' (begin, end)]
         self._augment: list = []  # what the device transforms of the next step's batch took: events, or host seconds
@@ -94,6 +98,13 @@ class StepClock(Callback):
         self.steps[-1]["host_end_s"] = time.perf_counter()
         if len(self.steps) == self.warmup:
             self._window = [self._synchronized()]
+        if len(self.steps) == trainer.max_steps - self.profile:
+            self._window.append(self._synchronized())
+            if self.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                self._profiler = profile(activities=[ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU])
+                self._profiler.start()
 
     def _synchronized(self) -> float:
         if self._cuda:
@@ -101,14 +112,25 @@ class StepClock(Callback):
         return time.perf_counter()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._window.append(self._synchronized())
-        for step, (begin, end, augment) in zip(self.steps, self._events, strict=True):
+        kernels = self._kernels() if self._profiler is not None else None
+        timed = self.steps[:len(self.steps) - self.profile]
+        for step, (begin, end, augment) in zip(timed, self._events, strict=False):
             step["device_s"] = _elapsed(begin, end)
             step["augment_s"] = sum(_elapsed(a, b) for a, b in augment)
         if trainer.is_global_zero:
-            Path(self.out).write_text(json.dumps({"steps": self.steps, "batch": trainer.datamodule.batch_size,
+            Path(self.out).write_text(json.dumps({"steps": timed, "batch": trainer.datamodule.batch_size,
                                                   "window_s": self._window[-1] - self._window[0],
-                                                  "cuda": self._cuda}))
+                                                  "cuda": self._cuda, "kernels": kernels}))
+
+    def _kernels(self) -> dict:
+        """The profiled steps' time by kernel (operator on a CPU), per step, the longest first."""
+        self._synchronized()
+        self._profiler.stop()
+        own = [(e.key, (e.self_device_time_total if self._cuda else e.self_cpu_time_total) / 1e3 / self.profile,
+                e.count / self.profile) for e in self._profiler.key_averages()]
+        own = sorted((row for row in own if row[1] > 0), key=lambda row: -row[1])
+        return {"steps": self.profile, "ms": sum(row[1] for row in own),
+                "top": [{"name": name, "ms": ms, "calls": calls} for name, ms, calls in own[:KERNELS]]}
 
 
 def _elapsed(begin, end) -> float:
@@ -130,27 +152,30 @@ def summarise(clock: dict, warmup: int) -> dict:
             "gpu_busy": sum(s["device_s"] for s in timed) / window if clock["cuda"] else None,
             "augment_ms": 1e3 * sum(s["augment_s"] for s in timed) / len(timed),
             "wait_ms": 1e3 * sum(s["host_start_s"] - before["host_end_s"] for before, s in pairs) / len(timed),
-            "median_step_ms": 1e3 * host[len(host) // 2], "slowest_step_ms": 1e3 * host[-1]}
+            "median_step_ms": 1e3 * host[len(host) // 2], "slowest_step_ms": 1e3 * host[-1],
+            **({"kernels": clock["kernels"]} if clock.get("kernels") else {})}
 
 
 # A timed step this many times the median is no steady state (a recompilation, a stall): the page says so.
 OUTLIER = 5.0
+# The default path's last steps run under torch's profiler, and the page names its longest kernels.
+PROFILED, KERNELS = 3, 8
 
 
 def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps: int, warmup: int,
-        workers: int | None = None) -> dict:
+        workers: int | None = None, profile: int = 0) -> dict:
     """One `imgcls fit` process of the production config on `root`, timed by StepClock; what the clock wrote."""
     clock = out / "steps.json"
     args = ["fit", "--config", str(ROOT / "configs" / "imagenet_ddp8.yaml"), "--trainer.devices", "1",
             "--trainer.strategy", "auto", "--data.root", str(root), "--model.net.weights", "null",
-            "--trainer.max_steps", str(steps),
+            "--trainer.max_steps", str(steps + profile),
             "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
             "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
             "--trainer.default_root_dir", str(out), "--auto_resume", "false", "--freeze.epochs", "0",
             "--data.augment_on_device", str(augment_on_device).lower(),
             "--trainer.callbacks+=benchmarks.gpu_end_to_end.StepClock", f"--trainer.callbacks.out={clock}",
-            f"--trainer.callbacks.warmup={warmup}"]
+            f"--trainer.callbacks.warmup={warmup}", f"--trainer.callbacks.profile={profile}"]
     if dry_run:  # tiny: whatever device there is, no compile
         args += ["--model.net.arch", "resnet18", "--model.net.head_hidden", "32", "--data.image_size", "64",
                  "--data.batch_size", "4", "--model.levers.compile", "false", "--trainer.accelerator", "auto",
@@ -172,9 +197,9 @@ def main(quick: bool = False, dry_run: bool | None = None) -> dict:
     dry_run = quick if dry_run is None else dry_run
     if not dry_run and not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine"}
-    count, steps, warmup = (16, 4, 1) if dry_run else (16_000, 60, 20)
-    if not dry_run and steps * BATCH > count:
-        raise ValueError(f"{steps} steps of {BATCH} images take more than an epoch of {count}")
+    count, steps, warmup = (16, 4, 1) if dry_run else (16_500, 60, 20)
+    if not dry_run and (steps + PROFILED) * BATCH > count:
+        raise ValueError(f"{steps + PROFILED} steps of {BATCH} images take more than an epoch of {count}")
     root = photo_folder(count)
     more = max(1, detect().cores - 1)
     paths = {}
@@ -185,7 +210,8 @@ def main(quick: bool = False, dry_run: bool | None = None) -> dict:
             out = Path(tmp) / name
             out.mkdir()
             clock = fit(root, out, augment_on_device=name == "augment_on_device", dry_run=dry_run, steps=steps,
-                        warmup=warmup, workers=more if name == "cpu_decode_more" else None)
+                        warmup=warmup, workers=more if name == "cpu_decode_more" else None,
+                        profile=PROFILED if name == "cpu_decode" else 0)
             paths[name] = summarise(clock, warmup)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"device": device, "dry_run": dry_run, "images": count, "steps": steps, "warmup": warmup,
@@ -207,6 +233,14 @@ def render(r: dict) -> tuple[str, str]:
         if p.get("slowest_step_ms", 0.0) > OUTLIER * p.get("median_step_ms", float("inf")):
             body += (f"\n\n{PATHS[name]}: a timed step took {p['slowest_step_ms']:,.0f} ms against a median of "
                      f"{p['median_step_ms']:,.1f} ms (a recompilation or a stall inside the timed steps).")
+    for name, p in r["paths"].items():
+        if "kernels" in p:
+            k = p["kernels"]
+            longest = "; ".join(f"`{row['name'][:60]}` {row['ms']:.3g} ms ({row['calls']:.3g} calls)"
+                                for row in k["top"])
+            body += (f"\n\n{PATHS[name]}, the {'device' if r['device'] != 'cpu' else 'host'}'s time in {k['steps']} "
+                     f"steps after the timed ones (torch's profiler), a step: {k['ms']:.3g} ms in all; the longest "
+                     f"{'kernels' if r['device'] != 'cpu' else 'operators'}: {longest}.")
     best = max(r["paths"], key=lambda name: r["paths"][name]["img_s"])
     body += (f"\n\nTarget on one H100 or H200: at least 5,000 img/s end to end (moonshot 7,000): "
              f"{r['paths'][best]['img_s']:,.0f} img/s ({PATHS[best]})."

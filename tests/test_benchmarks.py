@@ -160,12 +160,16 @@ def test_make_gpu_check_dry_run_runs_every_gpu_section_on_the_cpu(tmp_path):
     assert {"test_cuda.py::test_a_16_mixed_fit_killed_and_resumed_on_cuda_ends_bitwise_equal",
             "test_cuda.py::test_compression_hooks_train_on_nccl[powersgd]"} <= {t["test"] for t in tests}
     assert all(t["outcome"] == "collected" for t in tests)
-    tables = _tables((tmp_path / "PERFORMANCE.md").read_text())
+    text = (tmp_path / "PERFORMANCE.md").read_text()
+    tables = _tables(text)
     assert [r[0] for r in tables["GPU throughput"][1:]] == ["fp32, NCHW, eager", "channels_last + 16-mixed + fused SGD"]
     end_to_end = tables["GPU end to end"]  # both data paths through imgcls fit
     assert [r[0] for r in end_to_end[1:]] == [label for name, label in gpu_end_to_end.PATHS.items()
                                               if name not in gpu_end_to_end.FULL_ONLY]
     assert end_to_end[0][3] == "ms a step"  # the steps timed without a synchronisation each
+    # the default path's last steps under torch's profiler: the host's operators here, a GPU's kernels there
+    assert re.search(r"CPU decode in the loader workers, the host's time in 3 steps after the timed ones \(torch's "
+                     r"profiler\), a step: [\d.]+ ms in all; the longest operators: `aten::", text)
     assert all(_num(r[1]) > 0 and _num(r[3]) > 0 for r in end_to_end[1:])
 
 
@@ -324,6 +328,13 @@ def test_the_end_to_end_page_names_a_timed_step_far_slower_than_the_others():
     stalled, _ = gpu_end_to_end.render(record(33.0))
     assert "took" not in steady
     assert "CPU decode in the loader workers: a timed step took 33,002 ms against a median of 40.0 ms" in stalled
+    profiled = record(0.05)
+    profiled["paths"]["cpu_decode"]["kernels"] = {"steps": 3, "ms": 52.0, "top": [
+        {"name": "sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1",
+         "ms": 9.5, "calls": 12.0}]}
+    assert ("CPU decode in the loader workers, the device's time in 3 steps after the timed ones (torch's profiler), "
+            "a step: 52 ms in all; the longest kernels: `sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhw` "
+            "9.5 ms (12 calls).") in gpu_end_to_end.render(profiled)[0]
 
 
 def test_figures_measured_with_the_kernels_held_are_filed_as_an_estimate(monkeypatch, tmp_path):
