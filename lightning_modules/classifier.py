@@ -127,6 +127,7 @@ class ImageClassifier(L.LightningModule):
         self.levers: dict[str, bool | str] = {}
         self._channels_last = False
         self._net_compiled = False
+        self._bar_loss: torch.Tensor | None = None  # the progress bar's loss, a host copy (`show_loss`)
         if levers.channels_last is True:
             self._set_channels_last()
         self.train_acc, self.val_metrics, self.test_metrics, self.eval_loss, self.val_acc_best = classifier_metrics(
@@ -192,11 +193,22 @@ class ImageClassifier(L.LightningModule):
             self.train_acc(logits.sigmoid(), y.int())
         else:
             self.train_acc(logits, y.argmax(dim=1) if y.ndim == 2 else y)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss)  # to the loggers, which read it every trainer.log_every_n_steps steps
+        self.show_loss(loss)
         # Per epoch, over every training image of every rank (torchmetrics syncs it once): one batch's accuracy is
         # too noisy to read, and the epoch value sits on the same axis as val/acc.
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
+
+    def show_loss(self, loss: torch.Tensor) -> None:
+        """The training loss in the progress bar, as a host copy taken every trainer.log_every_n_steps steps (every
+        step on a CPU). Lightning turns a progress bar's values into numbers after every step, bar or no bar
+        (Lightning issue 21232): on a GPU that `.item()` would wait for the step's kernels, and the host could no
+        longer queue the next step while the GPU runs this one."""
+        if loss.device.type == "cpu" or self._bar_loss is None \
+                or self.trainer.global_step % max(1, self.trainer.log_every_n_steps or 1) == 0:
+            self._bar_loss = loss.detach().to("cpu")
+        self.log("loss", self._bar_loss, prog_bar=True, logger=False)
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`model.loss` of (B, C) logits against class indices (B,), soft targets or multi-hot rows (B, C); the

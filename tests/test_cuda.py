@@ -44,3 +44,61 @@ def test_compression_hooks_train_on_nccl(tmp_path, digits_root, compression):
     if compression == "powersgd":  # the hook ran past its plain all-reduce steps, and its state was checkpointed
         saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["powersgd_state"]
         assert saved["world_size"] == 1 and saved["ranks"][0]["iter"] > 2
+
+
+def test_a_16_mixed_step_waits_for_the_gpu_only_where_the_progress_bar_loss_is_copied():
+    """The host queues each step while the GPU runs the one before: between the progress bar's loss copies (every
+    trainer.log_every_n_steps steps) a step of the production recipe (16-mixed's GradScaler, fused SGD, the
+    classifier's metrics and logging, the fault guards) never waits for the device. Lightning read the bar's loss
+    with `.item()` after every step, and torch's foreach SGD under a GradScaler read its inf check."""
+    import warnings
+    from functools import partial
+
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_modules import BackboneWithHead, ImageClassifier, Levers
+    from training.resume import fault_callbacks
+
+    class Waits(Callback):
+        """Per batch, from its start to the next batch's start: the host's waits for the GPU."""
+
+        def __init__(self) -> None:
+            self.waits: dict[int, int] = {}
+            self._open = None
+
+        def _close(self) -> None:
+            if self._open is not None:
+                batch, catcher, caught = self._open
+                catcher.__exit__(None, None, None)
+                torch.cuda.set_sync_debug_mode("default")
+                self.waits[batch] = sum("synchroniz" in str(w.message) for w in caught)
+                self._open = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+            self._close()
+            if batch_idx >= 2:  # after cuDNN's first choices
+                catcher = warnings.catch_warnings(record=True)
+                caught = catcher.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                self._open = (batch_idx, catcher, caught)
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self._close()
+
+    torch.manual_seed(0)
+    model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
+                            batch_size=8, optimizer=partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+                            levers=Levers(compile=False))
+    waits = Waits()
+    trainer = L.Trainer(accelerator="gpu", devices=1, precision="16-mixed", max_epochs=1, log_every_n_steps=5,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[*fault_callbacks(), waits])
+    data = TensorDataset(torch.randn(12 * 8, 3, 32, 32), torch.randint(0, 3, (12 * 8,)))
+    trainer.fit(model, DataLoader(data, batch_size=8, pin_memory=True))
+    assert trainer.optimizers[0].defaults["fused"] is True
+    waited = {batch for batch, n in waits.waits.items() if n}
+    assert sorted(waits.waits) == list(range(2, 12))
+    assert waited <= {5, 10}, f"batches whose step waited for the GPU: {sorted(waited)}"

@@ -612,3 +612,22 @@ def test_a_network_from_the_cli_holds_plain_numbers():
                for key, value in vars(module).items() if isinstance(value, int | float) and not isinstance(value, bool)}
     assert numbers["head.2.p"] is float and numbers["head.0.out_features"] is int
     assert {kind for kind in numbers.values()} <= {int, float}, numbers
+
+
+def test_the_progress_bar_shows_a_host_copy_of_the_loss_and_the_loggers_get_every_step():
+    """The bar's `loss` is a CPU tensor (Lightning reads a bar's values after every step: on a GPU that read of the
+    device's loss would wait for the step; tests/test_cuda.py checks the GPU's side), copied every step on a CPU;
+    train/loss stays the device's tensor, for the loggers, out of the bar."""
+    model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8), batch_size=4)
+    losses = []
+
+    class Losses(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()])
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(12, 3, 16, 16), torch.arange(12) % 2), batch_size=4))
+    assert set(trainer.progress_bar_metrics) == {"loss"} and model._bar_loss.device.type == "cpu"
+    assert trainer.progress_bar_metrics["loss"] == pytest.approx(losses[-1])
+    assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(losses[-1])
