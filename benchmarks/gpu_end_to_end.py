@@ -113,7 +113,9 @@ class StepClock(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         kernels = self._kernels() if self._profiler is not None else None
-        timed = self.steps[:len(self.steps) - self.profile]
+        if len(self._window) < 2:  # the fit ended before max_steps: the window ends with it
+            self._window.append(self._synchronized())
+        timed = self.steps[:len(self.steps) - self.profile] if kernels else self.steps
         for step, (begin, end, augment) in zip(timed, self._events, strict=False):
             step["device_s"] = _elapsed(begin, end)
             step["augment_s"] = sum(_elapsed(a, b) for a, b in augment)
