@@ -39,7 +39,7 @@ from lightning_modules.optim import (
 )
 from lightning_modules.schedules import WarmupCosine
 from lightning_modules.settings import DEFAULT_LEVERS, DEFAULT_RECIPE, Levers, Recipe, as_settings, resolve_levers
-from lightning_modules.targets import batch_mix, classifier_metrics, split_metrics
+from lightning_modules.targets import batch_mix, classifier_metrics, predictions, split_metrics
 
 
 class ImageClassifier(L.LightningModule):
@@ -251,20 +251,7 @@ class ImageClassifier(L.LightningModule):
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
         x, index = batch
-        if self.hparams.multilabel:  # every class at or above the threshold (PredictionWriter names them)
-            probs = self(x).float().sigmoid()
-            return {"index": index.cpu(), "probs": probs.cpu()}
-        probs = self(x).float().softmax(dim=1)  # (B, num_classes)
-        top = probs.topk(min(5, probs.shape[1]), dim=1)
-        label = top.indices[:, 0]
-        return {
-            "index": index.cpu(),  # position in the predict dataset, maps back to the file path
-            "label": label.cpu(),
-            "class_name": [self.class_names[i] for i in label.tolist()],
-            "confidence": top.values[:, 0].cpu(),
-            "top5_labels": top.indices.cpu(),
-            "top5_probs": top.values.cpu(),
-        }
+        return predictions(self(x).float(), index, self.class_names, self.hparams.multilabel)
 
     # ---- optimisation ---------------------------------------------------------------------------------------
 
