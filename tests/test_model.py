@@ -631,3 +631,27 @@ def test_the_progress_bar_shows_a_host_copy_of_the_loss_and_the_loggers_get_ever
     assert set(trainer.progress_bar_metrics) == {"loss"} and model._bar_loss.device.type == "cpu"
     assert trainer.progress_bar_metrics["loss"] == pytest.approx(losses[-1])
     assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(losses[-1])
+
+    class DeviceLoss:  # a GPU's loss, as far as show_loss sees it: each copy to the host counted
+        device = torch.device("cuda")
+
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def detach(self):
+            return self
+
+        def to(self, device):
+            copies.append(self.value)
+            return torch.tensor(self.value)
+
+    copies, shown = [], []
+    steps = L.Trainer(log_every_n_steps=5, logger=False)
+    with mock.patch.object(type(model), "trainer", new_callable=mock.PropertyMock, return_value=steps), \
+            mock.patch.object(model, "log", lambda name, value, **kwargs: shown.append(float(value))):
+        model._bar_loss = None
+        for step in range(12):  # global_step, as the Trainer counts it
+            steps.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+            model.show_loss(DeviceLoss(float(step)))
+    assert copies == [0.0, 5.0, 10.0]  # on a GPU the host waits for a step only every log_every_n_steps steps
+    assert shown == [0.0] * 5 + [5.0] * 5 + [10.0] * 2
