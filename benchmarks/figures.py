@@ -63,10 +63,14 @@ it, and this page, like every figure quoted in README.md and docs/, is rendered 
 `python -m benchmarks.figures`. Regenerate with `make bench` (`make bench-quick` only checks that the
 benchmarks run, under runs/bench-quick/; `python -m benchmarks.run --only NAME` re-measures one section and keeps
 the others' results; the three GPU sections come from `make gpu-check` on a CUDA machine, benchmarks/gpu_check.py).
-Each section names the command that reproduces it alone, and the machine it ran on: CPU
-model, the flags that decide its levers (avx2, avx512f, avx512_bf16, amx_tile) and cores. A lever's gain depends on
-that machine (bf16 autocast is fast only on a CPU with native bf16; see Hardware), so read each figure with its
-machine line.
+Each record says where it came from, and each section shows it: the command that measured it
+and the commit it ran at, marked where the tree held uncommitted changes, where the commit was not on main, or where
+the record predates this bookkeeping and its origin was reconstructed from git's history; the record also keeps the
+versions of the libraries and the last lines of its log. Each section names the machine it ran on: CPU model, the
+flags that decide its levers (avx2, avx512f, avx512_bf16, amx_tile) and cores. A lever's gain depends on that machine
+(bf16 autocast is fast only on a CPU with native bf16; see Hardware), so read each figure with its machine line. A
+figure measured with the kernels held to AVX2 on a CPU that has more is an estimate of the AVX2 kind, and its
+machine line says so.
 """
 
 
@@ -79,6 +83,16 @@ def machine_slug(machine: dict) -> str:
 
 def measured(record: dict) -> bool:
     return "skipped" not in record["results"]
+
+
+def method(section: str) -> int:
+    """The version of what a section measures (its module's METHOD, 1 where it declares none): raised when a change
+    makes the records measured before it measure something else, which then never reach the page."""
+    return getattr(_module(section), "METHOD", 1)
+
+
+def superseded(record: dict) -> bool:
+    return record.get("method", 1) < method(record["section"])
 
 
 def store(record: dict, results: Path = RESULTS) -> Path | None:
@@ -95,13 +109,18 @@ def store(record: dict, results: Path = RESULTS) -> Path | None:
 
 def load_all(results: Path = RESULTS) -> dict[str, list[dict]]:
     """Section name -> every machine's record of it, primary first (measured before skipped, full before quick,
-    newest first), for the sections that have one."""
+    newest first), for the sections that have one. Left out: superseded records, and an estimate of a CPU kind
+    (`AVX2 CPU estimate`) where that kind measured the section natively."""
     found: dict[str, list[dict]] = {}
     for path in sorted((results / "machines").glob("*/*.json")):
         record = json.loads(path.read_text())
-        if record.get("section") in SECTIONS:
+        if record.get("section") in SECTIONS and not superseded(record):
             found.setdefault(record["section"], []).append(record)
     for records in found.values():
+        # A section measured natively on the kind an estimate stands in for replaces the estimate.
+        native = {r["machine"]["cpu_kind"] for r in records if measured(r) and not r["machine"].get("cuda")}
+        records[:] = [r for r in records if r["machine"]["cpu_kind"].removesuffix(" estimate") not in native
+                      or not r["machine"]["cpu_kind"].endswith(" estimate")]
         records.sort(key=lambda r: r["started"], reverse=True)
         records.sort(key=lambda r: (not measured(r), r["mode"] != "full"))
     return {name: found[name] for name in SECTIONS if name in found}
@@ -122,9 +141,24 @@ def duration(seconds: float | None) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
 
 
+def origin(run: dict) -> str:
+    """Where a record came from, for its section's last line: the command and the commit, and what a reader must
+    know before trusting them (a tree that differed from the commit, a commit not on main, a reconstruction)."""
+    prov = run["provenance"]
+    text = f"`{prov['command']}` at commit `{(prov['commit'] or 'unknown')[:10]}`"
+    if rebuilt := prov.get("reconstructed"):  # a record from before provenance: what git's history says of it
+        later = ("its section's code was committed only there" if rebuilt["code_committed_later"]
+                 else "the tree's state unknown")
+        return text + (f" (**provenance reconstructed**: the newest commit on main when it started; stored in "
+                       f"`{rebuilt['stored_in'][:10]}`, {later})")
+    marks = ([] if prov["clean"] else ["**from a tree with uncommitted changes**"]) + (
+        [] if prov["on_main"] else ["**a commit not on main**"])
+    return text + (f" ({'; '.join(marks)})" if marks else "")
+
+
 def section(name: str, runs: dict | list[dict] | None) -> str:
     """The Markdown section of one benchmark: for each machine that measured it (or the one that skipped it), its
-    tables and text, the settings, the machine line and the time."""
+    tables and text, the settings, the command and commit that made it, the machine line and the time."""
     module = _module(name)
     runs = [runs] if isinstance(runs, dict) else [r for r in runs or [] if measured(r)] or (runs or [])[:1]
     if not runs:
@@ -138,10 +172,8 @@ def section(name: str, runs: dict | list[dict] | None) -> str:
             body, settings = module.render(run["results"])
         else:
             body, settings = f"Not measured: {run['results']['skipped']}.", "Skipped"
-        if run.get("note"):  # what the run itself did not write: how it was run, or what its figures include
-            settings += f" ({run['note']})"
-        parts.append(f"{body}\n\n_{settings}. `python -m benchmarks.{name}`. Machine: {run['machine']['line']}._\n\n"
-                     f"_Took {duration(run['seconds'])} ({run['mode']} mode)._\n")
+        parts.append(f"{body}\n\n_{settings}. Machine: {run['machine']['line']}._\n\n"
+                     f"_Measured by {origin(run)}; took {duration(run['seconds'])} ({run['mode']} mode)._\n")
     return "\n".join(parts)
 
 

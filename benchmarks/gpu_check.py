@@ -1,6 +1,7 @@
 """The GPU check: everything that needs a CUDA device, in one command that fits a lent machine's few minutes.
 
-    make gpu-wheels          # here, with the internet: the wheels a GPU machine lacks, into .whl/ (git-ignored)
+    make gpu-wheels          # here, with the internet: the wheels a GPU machine lacks, into .whl/ (git-ignored),
+                             # and the tree's commit and file hashes (.whl/tree.json) its records name
     make gpu-check           # on the CUDA machine, .whl/ carried along: the sections below, within 8 min
     GPU_CHECK_OUT=DIR make gpu-check  # also copies each record to DIR as soon as it is stored
     make gpu-check --dry-run # (make's -n) anywhere: the same sections at tiny sizes on whatever device there is
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +27,8 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from benchmarks import provenance  # standard library only: importable before install()
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("cuda_tests", "gpu_throughput", "gpu_end_to_end")
@@ -47,6 +51,13 @@ def prepare(folder: Path) -> list[Path]:
     wheels = sorted(folder.glob("*.whl"))
     print(f"{len(wheels)} wheels in {folder} ({sum(w.stat().st_size for w in wheels) / 1e6:.1f} MB): "
           + ", ".join(w.name.split("-")[0] for w in wheels))
+    # The GPU machine gets the tree without its history: the records it makes compare the tree with this snapshot.
+    snapshot = provenance.tree_snapshot()
+    (ROOT / provenance.TREE).write_text(json.dumps(snapshot) + "\n")
+    state = provenance.tree_state()
+    print(f"the tree at {snapshot['commit'][:10]}" + ("" if state["clean"] else
+          f", with uncommitted changes in {', '.join(state['changed'])}: commit them first, for records that name "
+          "their code") + ("" if snapshot["on_main"] else ", a commit not on main"))
     return wheels
 
 

@@ -15,25 +15,34 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import time
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks import figures
+from benchmarks import figures, provenance
 from benchmarks.common import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_DIR = ROOT / "runs" / "bench-quick"
+# What a skipped section's record names as its `needs`, of which CI can never have these: under CI=true a section
+# skipped for anything else (PostgreSQL, Linux) fails the run.
+NEVER_IN_CI = {"cuda": "a CUDA device", "peer": "a peer program from outside the project"}
 
 
 def measure(name: str, quick: bool = False) -> dict:
-    """Run benchmarks/<name>.py and wrap its results in the record a result file holds."""
+    """Run benchmarks/<name>.py and wrap its results in the record a result file holds: the section, its method,
+    when and how long, the machine, and where it came from (`benchmarks.provenance`: commit, tree, command,
+    library versions, the last lines of its log)."""
     module = importlib.import_module(f"benchmarks.{name}")
+    state = provenance.tree_state()  # before the section writes anything
     started, start = datetime.now(UTC), time.perf_counter()
-    results = module.main(quick=quick)
-    return {"section": name, "mode": "quick" if quick else "full", "started": f"{started:%Y-%m-%d %H:%M} UTC",
-            "seconds": round(time.perf_counter() - start, 1), "machine": machine_info(), "results": results}
+    with provenance.captured_log() as log:
+        results = module.main(quick=quick)
+    return {"section": name, "method": figures.method(name), "mode": "quick" if quick else "full",
+            "started": f"{started:%Y-%m-%d %H:%M} UTC", "seconds": round(time.perf_counter() - start, 1),
+            "machine": machine_info(), "results": results, "provenance": provenance.provenance(state, list(log))}
 
 
 def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (), results: Path | None = None) -> Path:
@@ -54,6 +63,9 @@ def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (
             failed.append(f"benchmarks.{name} failed:\n{traceback.format_exc(limit=5)}")
             print(failed[-1], flush=True)
             continue
+        if not figures.measured(record) and os.environ.get("CI") == "true" and (
+                record["results"].get("needs") not in NEVER_IN_CI):
+            failed.append(f"benchmarks.{name} skipped under CI=true, which can run it: {record['results']['skipped']}")
         if figures.store(record, results) is None:
             print(f"benchmarks.{name}: {record['results']['skipped']}; the measured records are kept", flush=True)
         print(figures.section(name, record), flush=True)

@@ -5,12 +5,16 @@ between markers and equals its result."""
 from __future__ import annotations
 
 import difflib
+import json
+import re
+import subprocess
 
 import pytest
 
-from benchmarks import figures
+from benchmarks import figures, provenance
 
-RECORD_KEYS = {"section", "mode", "started", "seconds", "machine", "results"}
+RECORD_KEYS = {"section", "mode", "started", "seconds", "machine", "results", "provenance"}
+SHA = re.compile(r"[0-9a-f]{40}")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +33,76 @@ def test_result_files_are_full_runs_that_name_their_machine(all_runs):
             assert RECORD_KEYS <= set(run), f"{name}.json lacks {RECORD_KEYS - set(run)}"
             assert run["section"] == name and run["mode"] == "full", f"{name}.json holds a {run['mode']} run"
             assert run["machine"]["cpu"] and run["machine"]["cpu"] in run["machine"]["line"], name
+
+
+def test_every_record_says_where_it_came_from(all_runs):
+    """The commit and whether the tree matched it, the command, the libraries, the log's last lines; a record from
+    before provenance was kept says that its origin was reconstructed, and from which commit of git's history."""
+    for name, records in all_runs.items():
+        for run in records:
+            prov = run["provenance"]
+            assert set(provenance.FIELDS) <= set(prov), f"{name}: provenance lacks {set(provenance.FIELDS) - set(prov)}"
+            assert SHA.fullmatch(prov["commit"] or ""), (name, prov["commit"])
+            assert prov["command"] and "torch" in prov["versions"], name
+            assert "note" not in run, f"{name}: a typed note; what a page says comes from the record's fields"
+            if prov.get("reconstructed"):
+                assert SHA.fullmatch(prov["reconstructed"]["stored_in"]) and prov["clean"] in (None, False), name
+            else:
+                assert isinstance(prov["clean"], bool) and isinstance(prov["on_main"], bool), name
+                assert {"lightning", "torchvision"} <= set(prov["versions"]) and prov["log_tail"], name
+
+
+def _history() -> bool:
+    """Whether this checkout has the history a record's commit is looked up in (not a shallow clone)."""
+    done = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=figures.ROOT, capture_output=True,
+                          text=True)
+    return done.returncode == 0 and done.stdout.strip() == "false"
+
+
+def test_every_records_commit_is_in_the_history_and_on_main_where_it_says_so(all_runs):
+    if not _history():
+        pytest.skip("a checkout without its full history: the commits cannot be looked up")
+    for name, records in all_runs.items():
+        for run in records:
+            prov = run["provenance"]
+            for sha in (prov["commit"], (prov.get("reconstructed") or {}).get("stored_in")):
+                if sha:
+                    assert subprocess.run(["git", "cat-file", "-e", f"{sha}^{{commit}}"],
+                                          cwd=figures.ROOT).returncode == 0, f"{name}: no commit {sha}"
+            if prov["on_main"]:
+                assert subprocess.run(["git", "merge-base", "--is-ancestor", prov["commit"], "HEAD"],
+                                      cwd=figures.ROOT).returncode == 0, f"{name}: {prov['commit']} is not on main"
+
+
+def test_the_page_shows_each_records_command_and_commit_and_marks_what_a_reader_must_know():
+    page = figures.PERFORMANCE.read_text()
+    for records in figures.load_all().values():
+        for run in (r for r in records if figures.measured(r)):
+            assert f"_Measured by {figures.origin(run)};" in page
+    base = {"commit": "a" * 40, "clean": True, "on_main": True, "command": "python -m benchmarks.run --only x",
+            "versions": {}, "log_tail": []}
+    clean = figures.origin({"provenance": base})
+    assert clean == "`python -m benchmarks.run --only x` at commit `aaaaaaaaaa`"
+    assert "uncommitted changes" in figures.origin({"provenance": {**base, "clean": False}})
+    assert "not on main" in figures.origin({"provenance": {**base, "on_main": False}})
+    rebuilt = {**base, "clean": None, "reconstructed": {"stored_in": "b" * 40, "code_committed_later": True}}
+    assert re.search(r"reconstructed.*`bbbbbbbbbb`.*committed only there", figures.origin({"provenance": rebuilt}))
+
+
+def test_a_superseded_record_never_reaches_the_page(tmp_path, monkeypatch, all_runs):
+    """A record of an older METHOD than its section's measures something else: it is left out, and none is stored."""
+    for path in sorted((figures.RESULTS / "machines").glob("*/*.json")):
+        assert not figures.superseded(json.loads(path.read_text())), f"{path} is superseded: delete or re-measure it"
+    record = json.loads(json.dumps(all_runs["startup"][0]))
+    folder = tmp_path / "machines" / "m"
+    folder.mkdir(parents=True)
+    (folder / "startup.json").write_text(json.dumps(record))
+    assert figures.load_all(tmp_path)["startup"] == [record]
+    from benchmarks import startup
+
+    monkeypatch.setattr(startup, "METHOD", record.get("method", 1) + 1, raising=False)
+    assert "startup" not in figures.load_all(tmp_path)
+    assert "Not measured" in figures.section("startup", figures.load_all(tmp_path).get("startup"))
 
 
 def test_performance_md_is_what_the_results_render(all_runs):
@@ -73,8 +147,11 @@ def test_every_machines_stored_record_is_on_the_page(all_runs):
 def _record(section: str, kind: str, flags: dict, results: dict, started: str, cuda: str | None = None) -> dict:
     machine = {"line": f"AMD EPYC ({kind}); torch 2.14.1", "cpu": f"AMD EPYC ({kind})", "cpu_model": "AMD EPYC",
                "cpu_kind": kind, "cpu_flags": flags, "cores": 2, "cuda": cuda, "torch": "2.14.1", "threads": 2}
+    origin = {"commit": "c" * 40, "clean": True, "on_main": True,
+              "command": f"python -m benchmarks.run --only {section}",
+              "versions": {"torch": "2.14.1"}, "log_tail": ["done"]}
     return {"section": section, "mode": "full", "started": started, "seconds": 1.0, "machine": machine,
-            "results": results}
+            "results": results, "provenance": origin}
 
 
 def test_a_run_keeps_every_other_machines_record_and_a_skip_never_replaces_a_measured_one(tmp_path):
@@ -97,7 +174,8 @@ def test_a_run_keeps_every_other_machines_record_and_a_skip_never_replaces_a_mea
     figures.store(other, tmp_path)
     page = figures.section("gpu_throughput", figures.load_all(tmp_path)["gpu_throughput"])
     assert "| a | 9 |" in page and "| a | 7 |" in page and "no CUDA device" not in page  # both GPUs' rows
-    assert page.count("_Took ") == 2 and page.index(other["machine"]["line"]) < page.index(gpu["machine"]["line"])
+    assert page.count("_Measured by ") == 2
+    assert page.index(other["machine"]["line"]) < page.index(gpu["machine"]["line"])
 
 
 def test_a_stale_figure_is_rewritten_and_an_unknown_key_is_an_error():
