@@ -30,17 +30,29 @@ def cores() -> int:
 # What holds torch's and oneDNN's CPU kernels below what the CPU has (`.ci/as-avx2` sets both, and hides the CPU's
 # avx512/amx flags): figures measured so estimate another CPU kind. Their records say so, and are filed apart from
 # the records of a real machine of that kind, never over them.
-KERNEL_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+KERNEL_LIMITS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# What holding the kernels cannot make of one CPU another: said wherever an estimate is shown.
+NOT_MODELLED = ("it does not model the other CPU's clock, caches or interpreter speed, nor libraries that probe the "
+                "CPU themselves (MKL, numpy, onnxruntime)")
 
 
 def kernel_limits() -> dict[str, str]:
     return {name: os.environ[name] for name in KERNEL_LIMITS if os.environ.get(name)}
 
 
+def avx2_estimate_env() -> dict[str, str]:
+    """The environment that holds ATen's and oneDNN's kernels alike to AVX2: a process of an AVX2 estimate."""
+    return dict(KERNEL_LIMITS)
+
+
+def estimate_label(limits: dict[str, str]) -> str:
+    """How an estimate is named wherever it is shown: the limits it ran under and what it cannot model."""
+    return f"an estimate: {', '.join(f'{k}={v}' for k, v in limits.items())}; {NOT_MODELLED}"
+
+
 def _described() -> str:
     limits = kernel_limits()
-    held = f" (an estimate: {', '.join(f'{k}={v}' for k, v in limits.items())})" if limits else ""
-    return hardware.detect().describe() + held
+    return hardware.detect().describe() + (f" ({estimate_label(limits)})" if limits else "")
 
 
 def machine() -> str:

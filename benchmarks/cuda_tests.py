@@ -51,7 +51,7 @@ def outcomes(junit: Path) -> list[dict]:
 def main(quick: bool = False) -> dict:
     """Run the `cuda` tests (quick: collect them only); a full run needs CUDA and is skipped without it."""
     if not quick and not torch.cuda.is_available():
-        return {"skipped": "no CUDA device on this machine"}
+        return {"skipped": "no CUDA device on this machine", "needs": "cuda"}
     with tempfile.TemporaryDirectory(prefix="imgcls-cuda-tests-") as tmp:
         junit = Path(tmp) / "junit.xml"
         start = time.perf_counter()

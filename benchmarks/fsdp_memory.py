@@ -125,7 +125,7 @@ def run(jobs: list[dict]) -> list[list[dict]]:
 
 def main(quick: bool = False) -> dict:
     if not Path("/proc/self/status").is_file():
-        return {"skipped": "needs Linux (/proc/self/status)"}
+        return {"skipped": "needs Linux (/proc/self/status)", "needs": "linux"}
     if quick:  # every strategy in the same 2 processes, tiny: checks that it runs, the peaks mean nothing
         settings = {"batch": 2, "size": 32, "classes": 10, "steps": 2}
         ranks = run([{"arch": "resnet18", "strategy": s, **settings} for s in STRATEGIES])

@@ -198,7 +198,7 @@ def main(quick: bool = False, dry_run: bool | None = None) -> dict:
     needs CUDA and is skipped without it."""
     dry_run = quick if dry_run is None else dry_run
     if not dry_run and not torch.cuda.is_available():
-        return {"skipped": "no CUDA device on this machine"}
+        return {"skipped": "no CUDA device on this machine", "needs": "cuda"}
     count, steps, warmup = (16, 4, 1) if dry_run else (16_500, 60, 20)
     if not dry_run and (steps + PROFILED) * BATCH > count:
         raise ValueError(f"{steps + PROFILED} steps of {BATCH} images take more than an epoch of {count}")

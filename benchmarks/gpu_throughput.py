@@ -65,7 +65,7 @@ def main(quick: bool = False) -> dict:
     on a CPU (a check that the section runs, not a figure)."""
     cuda = torch.cuda.is_available()
     if not quick and not cuda:
-        return {"skipped": "no CUDA device on this machine"}
+        return {"skipped": "no CUDA device on this machine", "needs": "cuda"}
     device = "cuda" if cuda else "cpu"
     arch, size, batch, steps = ("resnet50", 224, 256, 30) if not quick else (
         ("resnet50", 224, 32, 3) if cuda else ("resnet18", 32, 4, 2))

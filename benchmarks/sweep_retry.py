@@ -5,7 +5,8 @@ Debian packages; skipped where there is none).
     python -m benchmarks.sweep_retry [--quick]
 
 A one-point grid of the quickstart shrunk to seconds an epoch (resnet18 at 32 px on the demo digits), more epochs
-than the measurement lasts. Two workers start together: one takes the point, the other finds it taken and waits.
+than the measurement lasts. One worker takes the point; once its trial runs, a second starts, finds the point taken
+and waits.
 Once the trial's process runs, its worker is killed with SIGKILL (the trial process dies with it); the other fails
 the trial once its last heartbeat is `--grace` old, and starts its retry; then it is stopped. Measured from the kill
 to the trial's failure and to the retry's start (the times Optuna records). Full mode: `imgcls sweep`'s default
@@ -65,35 +66,31 @@ def last_lines(folder: Path, n: int = 15) -> str:
 
 
 def one_death(url: str, folder: Path, sweep: Path, heartbeat: int, grace: int) -> dict:
-    """Two workers start together: one takes the point, the other waits; the first is killed once its trial process
-    runs. The seconds from the kill to the trial's failure and to its retry's start."""
+    """One worker takes the point, a second starts once its trial runs and waits; the first is killed. The seconds
+    from the kill to the trial's failure and to its retry's start."""
     import optuna
     from optuna.trial import TrialState
 
     env = cli_env(IMGCLS_SWEEP_STORAGE=url)
     logs = {name: folder / f"worker_{name}.log" for name in "ab"}
     workers = {}
-    for name, log in logs.items():
-        with open(log, "w") as sink:
+
+    def start(name: str) -> None:
+        with open(logs[name], "w") as sink:
             workers[name] = subprocess.Popen(
                 [sys.executable, "-m", "training.cli", "sweep", "--config", str(sweep), "--out", str(folder / name),
                  "--heartbeat", str(heartbeat), "--grace", str(grace)],
                 cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def roles() -> tuple[str, str] | None:
-        """(the worker running the trial, its fit past its parse (the run's config.yaml written); the one waiting),
-        once both are so."""
-        for name, other in ("ab", "ba"):
-            if ((folder / name / "trial_0000" / "config.yaml").is_file()
-                    and "waiting for 1 trial(s)" in logs[other].read_text()):
-                return name, other
-        return None
-
     try:
-        victim, _ = _until("one worker in its trial, the other waiting", roles, 300)
-        os.kill(workers[victim].pid, signal.SIGKILL)
+        # One after the other: two workers that ask at the same instant may both draw the grid's one point.
+        start("a")
+        _until("worker a's trial past its parse", (folder / "a" / "trial_0000" / "config.yaml").is_file, 300)
+        start("b")
+        _until("worker b waiting", lambda: "waiting for 1 trial(s)" in logs["b"].read_text(), 300)
+        os.kill(workers["a"].pid, signal.SIGKILL)
         killed = time.time()
-        workers[victim].wait(timeout=30)
+        workers["a"].wait(timeout=30)
         study = optuna.load_study(study_name="retry", storage=url)
         failed, retry = _until("the retry to start", lambda: len(trials := study.get_trials(deepcopy=False)) == 2
                                and trials[1].state == TrialState.RUNNING and trials, grace + 10 * heartbeat + 60)
@@ -123,7 +120,7 @@ def main(quick: bool = False) -> dict:
                     deaths.append(one_death(server.database(f"rep{rep}"), folder, sweep, heartbeat, grace))
                     print(f"sweep_retry: death {rep + 1}: {deaths[-1]}", flush=True)
         except Unavailable as err:
-            return {"skipped": str(err)}
+            return {"skipped": str(err), "needs": "postgresql"}
     return {"heartbeat_s": heartbeat, "grace_s": grace, "deaths": deaths}
 
 

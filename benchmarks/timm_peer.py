@@ -123,7 +123,7 @@ def kept_runs(recipe: dict, measured: set[str]) -> tuple[dict, dict]:
 def main(quick: bool = False) -> dict:
     peer = os.environ.get(PEER_ENV)
     if not peer:
-        return {"skipped": f"no peer script (set {PEER_ENV} to a copy of timm's train.py)"}
+        return {"skipped": f"no peer script (set {PEER_ENV} to a copy of timm's train.py)", "needs": "peer"}
     peer = Path(peer).resolve()
     if not peer.is_file():
         raise FileNotFoundError(f"{PEER_ENV}={peer} is not a file: give the path of timm's train.py")

@@ -180,7 +180,7 @@ def render(result: dict) -> tuple[str, str]:
 
 def main(quick: bool = False) -> dict:
     if not Path("/proc/self/smaps_rollup").is_file():
-        return {"skipped": "needs Linux (/proc/PID/smaps_rollup)"}
+        return {"skipped": "needs Linux (/proc/PID/smaps_rollup)", "needs": "linux"}
     return measure(5_000 if quick else IMAGENET_TRAIN, 256 if quick else 1024)
 
 

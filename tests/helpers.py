@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import torch.multiprocessing as torch_mp
 import yaml
+from filelock import FileLock
 from PIL import Image
 
 from tests import preloaded
@@ -281,11 +283,13 @@ def apt_install(packages: tuple[str, ...], missing: str) -> None:
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         service_unavailable(f"{what} needs apt-get and root (uid {os.geteuid()})")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    # A failed update (no network) may still leave lists that match the cached .deb files.
-    subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=180)
-    proc = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120",
-                           "-o", "APT::Keep-Downloaded-Packages=true", *packages],
-                          env=env, capture_output=True, text=True, timeout=600)
+    # One install at a time across the pytest workers: two `apt-get update`s at once fail on apt's list lock.
+    with FileLock(Path(tempfile.gettempdir()) / "imgcls-tests-apt.lock"):
+        # A failed update (no network) may still leave lists that match the cached .deb files.
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=180)
+        proc = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "-o",
+                               "DPkg::Lock::Timeout=120", "-o", "APT::Keep-Downloaded-Packages=true", *packages],
+                              env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         service_unavailable(f"{what} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-500:]}")
 

@@ -27,7 +27,6 @@ from optuna.trial import TrialState
 from tests.helpers import (
     CONFIGS,
     ROOT,
-    apt_install,
     concurrent_python,
     free_port,
     run_cli,
@@ -35,7 +34,7 @@ from tests.helpers import (
     start_cli,
     wandb_offline_env,
 )
-from tests.postgres import PACKAGES, Unavailable, server_bin, throwaway_server
+from tests.postgres import Unavailable, ensure_installed, throwaway_server
 from tests.test_sweep import LR, WD, last_scalar, sweep_command, write_sweep
 
 HEARTBEAT, GRACE = 1, 5  # seconds: `imgcls sweep --heartbeat --grace`, shortened from the defaults in command.py
@@ -44,8 +43,7 @@ HEARTBEAT, GRACE = 1, 5  # seconds: `imgcls sweep --heartbeat --grace`, shortene
 @pytest.fixture(scope="module")
 def postgres(tmp_path_factory):
     """A PostgreSQL server for this file's tests; each test creates its own database on it."""
-    if server_bin() is None:
-        apt_install(PACKAGES, "PostgreSQL's server is not installed")
+    ensure_installed()
     try:
         with throwaway_server(tmp_path_factory.mktemp("postgres")) as server:
             yield server
