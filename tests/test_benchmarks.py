@@ -130,6 +130,15 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
                                            serve_bench.BASELINE]
     assert all(_num(r[1]) > 0 and _num(r[5]) > 0 for r in serving[1:])
 
+    reading = tables["Reading cost"]  # this tree against the one before the layout work, by the same code
+    assert reading[0][0] == "what a reader opens" and reading[0][1].startswith("before (`")
+    assert [r[0] for r in reading[1:4]] == ["one training step: files run (lines)",
+                                            "a whole fit, config to last checkpoint: files run (lines)",
+                                            "modules the model and the default data source import (lines)"]
+    cost = records["reading_cost"]["results"]
+    assert "lightning_modules/classifier.py" in cost["now"]["step"]["files"] and cost["now"]["step"]["lines"] > 0
+    assert set(cost["now"]["step"]["files"]) <= set(cost["now"]["fit"]["files"])
+
     retry = text.split("## Sweep retry after a worker's death", 1)[1]
     # Without a PostgreSQL server it is skipped, saying why (tests/test_sweep_postgres.py installs one).
     assert ("Not measured: PostgreSQL's server is not installed" in retry) == (server_bin() is None)
