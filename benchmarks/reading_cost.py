@@ -27,7 +27,7 @@ from benchmarks.common import table
 
 TITLE = "Reading cost"
 ROOT = Path(__file__).resolve().parents[1]
-BEFORE = "fca0ca67b0a1"  # main before issue 48's layout work
+BEFORE = "fca0ca67b0f585e2f236c307de23a327c5e6e0f6"  # main before issue 48's layout work
 PACKAGES = ("imgcls", "core", "datamodules", "lightning_modules", "training", "deploy", "benchmarks")
 ENTRIES = ("lightning_modules.classifier", "datamodules.image_folder")
 PROBE = textwrap.dedent('''
