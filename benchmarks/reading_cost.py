@@ -123,6 +123,7 @@ def traced_files(tree: Path, data: Path, run: Path, quick: bool) -> dict[str, li
 
 
 def measure(tree: Path, data: Path, run: Path, quick: bool) -> dict:
+    print(f"reading cost: a traced 2-step fit of {tree}", flush=True)
     traced = traced_files(tree, data, run, quick)
     imported = module_imports(tree)
     return {"packages": package_lines(tree),

@@ -39,6 +39,7 @@ def measure(name: str, quick: bool = False) -> dict:
     state = provenance.tree_state()  # before the section writes anything
     started, start = datetime.now(UTC), time.perf_counter()
     with provenance.captured_log() as log:
+        print(f"running benchmarks.{name}{' --quick' if quick else ''} ...", flush=True)
         results = module.main(quick=quick)
     return {"section": name, "method": figures.method(name), "mode": "quick" if quick else "full",
             "started": f"{started:%Y-%m-%d %H:%M} UTC", "seconds": round(time.perf_counter() - start, 1),
@@ -56,7 +57,6 @@ def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (
     out = out or (QUICK_DIR / "PERFORMANCE.md" if quick else figures.PERFORMANCE)
     failed = []
     for name in only or figures.SECTIONS:
-        print(f"running benchmarks.{name}{' --quick' if quick else ''} ...", flush=True)
         try:
             record = measure(name, quick)
         except Exception:  # one broken benchmark must not lose the others' figures
