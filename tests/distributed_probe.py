@@ -60,6 +60,7 @@ class Probe(Callback):
         logging = ddp._get_ddp_logging_data() if hasattr(ddp, "_get_ddp_logging_data") else {}
         self.record.update(
             rank=trainer.global_rank, world_size=trainer.world_size, comm_hook=logging.get("comm_hook"),
+            backend=logging.get("backend_name"),  # the process group's, which the hook's all-reduce runs on
             lrs=[g["lr"] for g in trainer.optimizers[0].param_groups],
             start_digest=weights_digest(pl_module), start_step=trainer.global_step,
             precision=trainer.precision_plugin.precision,

@@ -1,4 +1,4 @@
-"""Test-only fault injection: a callback that SIGKILLs its own process at a chosen point of training."""
+"""Test-only fault injection: callbacks that SIGKILL their process, break a file, overflow a step or lose a state."""
 
 from __future__ import annotations
 
@@ -72,3 +72,25 @@ class BreakFile(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.is_global_zero:
             Path(self.path).write_bytes(b"this file broke after the scan")
+
+
+class OverflowAt(Callback):
+    """Make training step `step`'s fp16 gradients overflow, as a loss spike would: its loss, already scaled by
+    16-mixed's GradScaler when `on_before_backward` sees it, is multiplied by `factor` in place before the backward,
+    so the fp16 gradients reach inf, the scaler skips the step and halves its scale. The loss that is logged and
+    checked for NaN is the unscaled one, untouched. Only for 16-mixed: without a scaler the step would be taken."""
+
+    def __init__(self, step: int, factor: float = 2.0**24) -> None:
+        self.step, self.factor = step, factor
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step == self.step:
+            loss.mul_(self.factor)
+
+
+class ForgetScaler(Callback):
+    """Drop the precision plugin's state (16-mixed's GradScaler) from the checkpoint a run resumes from, before
+    Lightning restores it from there: the resume starts with a fresh scaler, as one that forgot to save it would."""
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint.pop(type(trainer.precision_plugin).__qualname__)

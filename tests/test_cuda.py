@@ -1,44 +1,42 @@
-"""The GPU path's own guarantees, on a real CUDA device (skipped without one, `cuda` mark): a `16-mixed` fit, whose
-GradScaler state travels in the checkpoints, killed with SIGKILL and resumed to bitwise-identical weights; and the
-gradient-compression hooks on NCCL. One GPU runs one process, so the hooks are checked on an NCCL group of one: the
-hook and its state run as under 8 processes, the all-reduce sums one rank."""
+"""The GPU path's own guarantees, on a real CUDA device (skipped without one, `cuda` mark): a `16-mixed` fit whose
+fp16 gradients overflow once, killed with SIGKILL and resumed to bitwise-identical weights with its GradScaler's
+state; and the gradient-compression hooks registered on NCCL. One GPU runs one process, so the hooks are checked on an
+NCCL group of one: the hook and its state run as under 8 processes, the all-reduce sums one rank. The checks are
+tests/cuda_checks.py's, which tests/test_cuda_checks.py sees fail on the CPU where the promise breaks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
-from tests.helpers import fit_run, killed_and_resumed, last_weights, resume_config
+from tests.cuda_checks import (
+    OVERFLOW,
+    assert_hook_registered,
+    assert_scaler_restored,
+    compression_strategy,
+    probe,
+    short_config,
+)
+from tests.helpers import fit_run, killed_and_resumed, last_weights
 
 pytestmark = pytest.mark.cuda
 
 
-def _gpu_config(tmp_path, data, name: str, **trainer) -> object:
-    cfg = resume_config()
-    # 2 epochs of 6 steps: on an H100 the whole digits set made this file take 6 min of the GPU check's 8
-    cfg["trainer"].update(accelerator="gpu", devices=1, limit_train_batches=6, limit_val_batches=2, **trainer)
-    cfg["data"].update(root=str(data), batch_size=8, num_workers=0, image_size=32)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def test_a_16_mixed_fit_killed_and_resumed_on_cuda_ends_bitwise_equal(tmp_path, digits_root):
-    config = _gpu_config(tmp_path, digits_root, "fp16", precision="16-mixed")  # deterministic kernels: shipped on
+def test_a_16_mixed_fit_killed_after_an_fp16_overflow_resumes_its_scaler_and_ends_bitwise_equal(tmp_path, digits_root):
+    # deterministic kernels (resume_config's): two runs of the same steps end bitwise equal
+    config = short_config(tmp_path, digits_root, "fp16", precision="16-mixed", callbacks=(OVERFLOW,))
     assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0
-    scaler = next(v for k, v in torch.load(tmp_path / "killed" / "checkpoints" / "last.ckpt", weights_only=True,
-                                           map_location="cpu").items() if "MixedPrecision" in k)
-    assert scaler["scale"] > 0  # the GradScaler's state came back with the resume, not a fresh scale
+    assert_scaler_restored(tmp_path / "reference", tmp_path / "killed")
 
 
 @pytest.mark.parametrize("compression", ["fp16", "powersgd"])
-def test_compression_hooks_train_on_nccl(tmp_path, digits_root, compression):
-    strategy = {"class_path": "training.distributed.strategy.CompressedDDPStrategy",
-                "init_args": {"compression": compression, "powersgd": {"start_iter": 2, "rank": 2}}}
-    config = _gpu_config(tmp_path, digits_root, compression, precision="16-mixed", strategy=strategy)
+def test_compression_hooks_are_registered_on_nccl_and_train(tmp_path, digits_root, compression):
+    config = short_config(tmp_path, digits_root, compression, precision="16-mixed",
+                          strategy=compression_strategy(compression), callbacks=(probe(tmp_path / "probe"),))
     result = fit_run(config, tmp_path / "run")
     assert "val/acc" in result.stdout
+    hook = {"fp16": "fp16_compress_hook", "powersgd": "resumable_powerSGD_hook"}[compression]
+    assert_hook_registered(tmp_path / "probe", hook, backend="nccl")
     weights = last_weights(tmp_path / "run")
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
     if compression == "powersgd":  # the hook ran past its plain all-reduce steps, and its state was checkpointed

@@ -1,0 +1,77 @@
+"""The CUDA tests' checks, held on the CPU: each passes a run that keeps its promise and fails one that breaks it
+(tests/cuda_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cuda_checks import (
+    CPU_FP16,
+    INITIAL_SCALE,
+    OVERFLOW,
+    assert_hook_registered,
+    assert_scaler_restored,
+    compression_strategy,
+    probe,
+    short_config,
+)
+from tests.helpers import fit_run, killed_and_resumed
+
+FORGET_SCALER = {"class_path": "tests.fault_injection.ForgetScaler"}
+
+
+def _checkpoints(run, states: dict[str, tuple[float, int]]) -> None:
+    """Files in `<run>/checkpoints` that hold only a GradScaler state, (scale, growth tracker) by file name."""
+    (run / "checkpoints").mkdir(parents=True)
+    for name, (scale, tracker) in states.items():
+        torch.save({"MixedPrecision": {"scale": scale, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                       "growth_interval": 2000, "_growth_tracker": tracker}},
+                   run / "checkpoints" / name)
+
+
+def test_the_scaler_check_refuses_an_unlowered_scale_and_another_growth_tracker(tmp_path):
+    overflowed = {"step0000010.ckpt": (INITIAL_SCALE / 2, 3), "last.ckpt": (INITIAL_SCALE / 2, 5)}
+    _checkpoints(tmp_path / "reference", overflowed)
+    _checkpoints(tmp_path / "resumed", {**overflowed, "step0000002.ckpt": (INITIAL_SCALE / 4, 0)})
+    assert_scaler_restored(tmp_path / "reference", tmp_path / "resumed")  # files of the killed process are not shared
+    _checkpoints(tmp_path / "fresh", {"step0000010.ckpt": (INITIAL_SCALE, 3), "last.ckpt": (INITIAL_SCALE, 5)})
+    with pytest.raises(AssertionError, match="no overflow lowered"):
+        assert_scaler_restored(tmp_path / "fresh", tmp_path / "fresh")
+    _checkpoints(tmp_path / "counted", {**overflowed, "last.ckpt": (INITIAL_SCALE / 2, 4)})
+    with pytest.raises(AssertionError, match="differs from the uninterrupted run's"):
+        assert_scaler_restored(tmp_path / "reference", tmp_path / "counted")
+
+
+def test_the_scaler_check_holds_a_16_mixed_resume_on_the_cpu_and_fails_one_that_forgot_its_scaler(tmp_path,
+                                                                                                   digits_root):
+    """tests/test_cuda.py's fit, on the CPU's fp16 autocast and GradScaler: the forced overflow lowers the scale, the
+    resume restores it, and a resume that drops it from the checkpoint (tests.fault_injection.ForgetScaler) fails."""
+    config = short_config(tmp_path, digits_root, "fp16", accelerator="cpu", callbacks=(OVERFLOW,), **CPU_FP16)
+    assert killed_and_resumed(config, tmp_path, kill_after=3, resumes_from=2) == 0.0
+    assert_scaler_restored(tmp_path / "reference", tmp_path / "killed")
+    forgetful = short_config(tmp_path, digits_root, "forgetful", accelerator="cpu", callbacks=(OVERFLOW, FORGET_SCALER),
+                             **CPU_FP16)
+    killed_and_resumed(forgetful, tmp_path / "forgot", kill_after=3, resumes_from=2, reference=tmp_path / "reference")
+    with pytest.raises(AssertionError, match="differs from the uninterrupted run's"):
+        assert_scaler_restored(tmp_path / "reference", tmp_path / "forgot" / "killed")
+
+
+def test_the_hook_check_holds_compressed_ddp_on_gloo_and_fails_lightnings_ddp_that_skips_the_hook_on_cpu(
+        tmp_path, digits_root):
+    """tests/test_cuda.py's NCCL fit on a gloo group of one: the check names the backend, and it fails a run whose
+    hook was configured and never registered (Lightning's DDPStrategy registers hooks on CUDA devices only)."""
+    config = short_config(tmp_path, digits_root, "fp16", accelerator="cpu", strategy=compression_strategy("fp16"),
+                          callbacks=(probe(tmp_path / "probe"),))
+    assert "val/acc" in fit_run(config, tmp_path / "run").stdout
+    assert_hook_registered(tmp_path / "probe", "fp16_compress_hook", backend="gloo")
+    with pytest.raises(AssertionError, match="on a 'gloo' process group, not 'fp16_compress_hook' on 'nccl'"):
+        assert_hook_registered(tmp_path / "probe", "fp16_compress_hook", backend="nccl")
+    lightning = {"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {
+        "ddp_comm_hook": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook"}}
+    config = short_config(tmp_path, digits_root, "lightning", accelerator="cpu", strategy=lightning,
+                          callbacks=(probe(tmp_path / "unhooked"),))
+    assert "val/acc" in fit_run(config, tmp_path / "lightning").stdout
+    with pytest.raises(AssertionError, match="logged the hook None on a 'gloo' process group"):
+        assert_hook_registered(tmp_path / "unhooked", "fp16_compress_hook", backend="gloo")
+
