@@ -158,7 +158,8 @@ def origin(run: dict) -> str:
 
 def section(name: str, runs: dict | list[dict] | None) -> str:
     """The Markdown section of one benchmark: for each machine that measured it (or the one that skipped it), its
-    tables and text, the settings, the command and commit that made it, the machine line and the time."""
+    tables and text, the settings, the command and commit that made it, the machine line and the time; then,
+    once, the module's `section_note()` if any."""
     module = _module(name)
     runs = [runs] if isinstance(runs, dict) else [r for r in runs or [] if measured(r)] or (runs or [])[:1]
     if not runs:
@@ -174,6 +175,8 @@ def section(name: str, runs: dict | list[dict] | None) -> str:
             body, settings = f"Not measured: {run['results']['skipped']}.", "Skipped"
         parts.append(f"{body}\n\n_{settings}. Machine: {run['machine']['line']}._\n\n"
                      f"_Measured by {origin(run)}; took {duration(run['seconds'])} ({run['mode']} mode)._\n")
+    if hasattr(module, "section_note") and (note := module.section_note()):
+        parts.append(f"{note}\n")  # said once, under every machine's runs
     return "\n".join(parts)
 
 

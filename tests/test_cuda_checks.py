@@ -1,11 +1,12 @@
 """The CUDA tests' checks, held on the CPU: each passes a run that keeps its promise and fails one that breaks it
-(tests/cuda_checks.py)."""
+(tests/cuda_checks.py); the GPU check's record names every CUDA test the suite has."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks import cuda_tests
 from tests.cuda_checks import (
     CPU_FP16,
     INITIAL_SCALE,
@@ -74,4 +75,27 @@ def test_the_hook_check_holds_compressed_ddp_on_gloo_and_fails_lightnings_ddp_th
     assert "val/acc" in fit_run(config, tmp_path / "lightning").stdout
     with pytest.raises(AssertionError, match="logged the hook None on a 'gloo' process group"):
         assert_hook_registered(tmp_path / "unhooked", "fp16_compress_hook", backend="gloo")
+
+
+def test_the_newest_gpu_record_ran_every_cuda_test_but_those_not_yet_run_on_a_gpu():
+    """The GPU check's newest record names every cuda test it ran; one added or changed since waits in
+    benchmarks.cuda_tests.NOT_YET_RUN_ON_A_GPU, with why, until the next check runs it and it leaves the list."""
+    suite = set(cuda_tests.collected())
+    assert suite, "no cuda test collected"
+    problems = cuda_tests.coverage_problems(suite, cuda_tests.newest_record(), cuda_tests.NOT_YET_RUN_ON_A_GPU)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_coverage_check_names_an_unrun_test_a_stale_entry_and_an_entry_for_no_test():
+    record = {"results": {"tests": [{"test": "test_x::ran", "outcome": "passed"},
+                                    {"test": "test_x::failed", "outcome": "failure"},
+                                    {"test": "test_x::skipped", "outcome": "skipped"}]}}
+    suite = {"test_x::ran", "test_x::failed", "test_x::skipped", "test_x::new"}
+    assert cuda_tests.coverage_problems(suite, record, {"test_x::new": "why", "test_x::skipped": "why"}) == []
+    problems = cuda_tests.coverage_problems(suite, record, {"test_x::ran": "why", "test_x::gone": "why"})
+    unrun = "a cuda test that the newest GPU record did not run and NOT_YET_RUN_ON_A_GPU does not list"
+    assert problems == [f"test_x::new: {unrun}", f"test_x::skipped: {unrun}",
+                        "test_x::ran: ran in the newest GPU record; remove it from NOT_YET_RUN_ON_A_GPU",
+                        "test_x::gone: listed in NOT_YET_RUN_ON_A_GPU, but the suite has no such cuda test"]
+    assert len(cuda_tests.coverage_problems(suite, None, {})) == len(suite)  # no GPU record at all
 
