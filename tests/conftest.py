@@ -116,6 +116,19 @@ def _marked_cuda(item) -> bool:
     return item.get_closest_marker("cuda") is not None
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI=true with a CUDA device visible, a `cuda` test that skips fails instead: a GPU claim whose test skipped
+    there (no NCCL, a missing package) would pass unchecked."""
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and _marked_cuda(item) and os.environ.get("CI") == "true" \
+            and torch.cuda.is_available():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"CI=true with a CUDA device: the cuda test {item.nodeid} may not skip ({reason})"
+    return report
+
+
 def _file(nodeid: str) -> str:
     return nodeid.partition("::")[0]
 

@@ -1,7 +1,12 @@
 """The CUDA tests' checks, held on the CPU: each passes a run that keeps its promise and fails one that breaks it
-(tests/cuda_checks.py); the GPU check's record names every CUDA test the suite has."""
+(tests/cuda_checks.py); the GPU check's record names every CUDA test the suite has; under CI=true with a CUDA device,
+no CUDA test skips (tests/conftest.py)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +22,7 @@ from tests.cuda_checks import (
     probe,
     short_config,
 )
-from tests.helpers import fit_run, killed_and_resumed
+from tests.helpers import ROOT, fit_run, killed_and_resumed
 
 FORGET_SCALER = {"class_path": "tests.fault_injection.ForgetScaler"}
 
@@ -99,3 +104,41 @@ def test_the_coverage_check_names_an_unrun_test_a_stale_entry_and_an_entry_for_n
                         "test_x::gone: listed in NOT_YET_RUN_ON_A_GPU, but the suite has no such cuda test"]
     assert len(cuda_tests.coverage_problems(suite, None, {})) == len(suite)  # no GPU record at all
 
+
+MARK = "cuda"  # not spelled out in this file: benchmarks.cuda_tests.test_files() would take it for a GPU test file
+TESTS = f"""
+import pytest
+
+@pytest.mark.{MARK}
+def test_cuda_skips_itself():
+    pytest.skip("no NCCL here")
+
+@pytest.mark.{MARK}
+def test_cuda_passes():
+    pass
+
+def test_other_skips():
+    pytest.skip("not a GPU test")
+"""
+
+
+@pytest.mark.parametrize("ci, cuda, expected", [
+    ("true", True, {"test_cuda_skips_itself": "failure", "test_cuda_passes": "passed", "test_other_skips": "skipped"}),
+    ("false", True, {"test_cuda_skips_itself": "skipped", "test_cuda_passes": "passed", "test_other_skips": "skipped"}),
+    ("true", False, {"test_cuda_skips_itself": "skipped", "test_cuda_passes": "skipped",  # CI's CPU machines
+                     "test_other_skips": "skipped"}),
+])
+def test_under_ci_with_a_cuda_device_no_cuda_test_skips(tmp_path, ci, cuda, expected):
+    """tests/conftest.py's hooks in a pytest run of their own; a visible CUDA device is torch.cuda.is_available
+    answering True (a plugin of the run)."""
+    (tmp_path / "test_tiny.py").write_text(TESTS)
+    (tmp_path / "pytest.ini").write_text(f"[pytest]\nmarkers =\n    {MARK}: needs a CUDA device\n")
+    (tmp_path / "visible_cuda.py").write_text("import torch\n\ntorch.cuda.is_available = lambda: True\n")
+    plugins = ["-p", "tests.conftest", *(["-p", "visible_cuda"] if cuda else [])]
+    env = {**os.environ, "CI": ci, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    subprocess.run([sys.executable, "-m", "pytest", *plugins, "-p", "no:cacheprovider", "--junitxml=junit.xml",
+                    "test_tiny.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    found = {case["test"].partition("::")[2]: case for case in cuda_tests.outcomes(tmp_path / "junit.xml")}
+    assert {name: case["outcome"] for name, case in found.items()} == expected
+    if expected["test_cuda_skips_itself"] == "failure":
+        assert "may not skip (Skipped: no NCCL here)" in found["test_cuda_skips_itself"]["message"]
