@@ -38,7 +38,8 @@ LEVERS = ROOT / "core" / "measured.json"  # what core/hardware.py quotes when it
 # The sections of docs/PERFORMANCE.md, in order: each a module benchmarks/<name>.py and a file results/<name>.json.
 SECTIONS = ("hardware", "startup", "input_pipeline", "input_profile", "shards", "scan_cache", "worker_memory",
             "loop_overhead", "compute_levers", "distributed", "fsdp_memory", "time_to_accuracy", "timm_peer",
-            "recipe", "cuda_tests", "gpu_throughput", "gpu_end_to_end", "serve", "sweep_retry", "reading_cost")
+            "recipe", "cuda_tests", "gpu_throughput", "gpu_end_to_end", "serve", "serve_crowd", "sweep_retry",
+            "reading_cost")
 MARKER = re.compile(r"<!-- figure: ([\w.@-]+) -->(.*?)<!-- /figure -->", re.S)
 OPENING = "<!-- figure:"
 CODE = re.compile(r"`[^`\n]*`")  # inline code: a marker written there is shown, not filled in

@@ -17,7 +17,6 @@ import io
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from benchmarks.common import standalone, table, verdict
+from benchmarks.common import free_port, standalone, table, verdict
 
 TITLE = "Serving"
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,10 +131,25 @@ def forward_in_a_worker(folder: str, batches: list[int], seconds: float) -> dict
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def await_health(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> None:
+    """Return once the server at `url` answers /health; raise with its log's end if it exits or takes too long."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{' '.join(proc.args)} did not come up:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the server with its workers (its session)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def measure(cmd: list[str], port: int, body: bytes, clients: int, requests: int) -> dict:
@@ -143,27 +157,19 @@ def measure(cmd: list[str], port: int, body: bytes, clients: int, requests: int)
     seconds from its launch to its first answer."""
     import httpx
 
-    log = tempfile.TemporaryFile("w+")
+    log = Path(tempfile.mkstemp(suffix=".log")[1])
     launched = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(cmd)} did not come up")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        await_health(proc, url, log)
         headers = {"Content-Type": "image/png"}
         with httpx.Client(timeout=120) as client:
             warm = client.post(f"{url}/predict", content=body, headers=headers)
             if warm.status_code != 200:
-                log.seek(0)
-                raise RuntimeError(f"{' '.join(cmd)} answered {warm.status_code}: {log.read()[-3000:]}")
+                raise RuntimeError(f"{' '.join(cmd)} answered {warm.status_code}: {log.read_text()[-3000:]}")
             first_answer = time.perf_counter() - launched
 
             def one_client(_):
@@ -179,9 +185,8 @@ def measure(cmd: list[str], port: int, body: bytes, clients: int, requests: int)
                 latencies = sorted(t for part in pool.map(one_client, range(clients)) for t in part)
             wall = time.perf_counter() - start
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.close()
+        stop(proc)
+        log.unlink()
     return {"requests_per_s": len(latencies) / wall, "p50_ms": 1000 * statistics.median(latencies),
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "first_answer_s": first_answer}

@@ -130,6 +130,10 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
                                            serve_bench.BASELINE]
     assert all(_num(r[1]) > 0 and _num(r[5]) > 0 for r in serving[1:])
 
+    crowd = records["serve_crowd"]["results"]  # the quick crowd: a few clients for seconds, every kind sent
+    assert crowd["errors"] == [] and crowd["pids_after"] == crowd["pids_before"] and crowd["valid"] > 0
+    assert tables["Serving under a crowd"][0] == ["request", "sent"]
+
     reading = tables["Reading cost"]  # this tree against the one before the layout work, by the same code
     assert reading[0][0] == "what a reader opens" and reading[0][1].startswith("before (`")
     assert [r[0] for r in reading[1:4]] == ["one training step: files run (lines)",
