@@ -3,43 +3,32 @@ head) with the injected loss, optimizer and schedule, and reports torchmetrics p
 
 from __future__ import annotations
 
-import inspect
-import math
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 import lightning_modules.pretrained as pretrained
-from core.config_types import OpenUnitInterval, PositiveInt, check_arguments
-from lightning_modules.losses import for_multilabel
-from lightning_modules.network import (
-    BackboneWithHead,
-    head_parameter_names,
-    network_config,
-    network_from_config,
-    require_backbone,
+from core.config_types import OpenUnitInterval, PositiveInt
+from lightning_modules.losses import criterion
+from lightning_modules.lr_plan import LrPlan
+from lightning_modules.network import BackboneWithHead, network_from_config, require_backbone
+from lightning_modules.optim import build_optimizer, factories, kernel_limits, param_groups, plain_callable, target_of
+from lightning_modules.settings import (
+    DEFAULT_LEVERS,
+    DEFAULT_RECIPE,
+    Levers,
+    Recipe,
+    as_settings,
+    check_model_arguments,
+    resolve_levers,
+    save_model_hyperparameters,
 )
-from lightning_modules.optim import (
-    build_lr_scheduler,
-    build_optimizer,
-    factories,
-    plain_callable,
-    replan_lr_scheduler,
-    rescale_learning_rates,
-    resumed_length,
-    target_of,
-    unset_arguments,
-)
-from lightning_modules.schedules import WarmupCosine
-from lightning_modules.settings import DEFAULT_LEVERS, DEFAULT_RECIPE, Levers, Recipe, as_settings, resolve_levers
-from lightning_modules.targets import batch_mix, classifier_metrics, predictions, split_metrics
+from lightning_modules.targets import batch_mix, classifier_metrics, logged_names, predictions
 
 
 class ImageClassifier(L.LightningModule):
@@ -102,17 +91,17 @@ class ImageClassifier(L.LightningModule):
     ) -> None:
         net = network_from_config(net) if isinstance(net, dict) else net  # a checkpoint's, loaded without the CLI
         recipe, levers = as_settings(Recipe, recipe), as_settings(Levers, levers)
-        _check_arguments(num_classes, class_names, multilabel, threshold, batch_size, recipe)
-        self.optimizer_factory, self.lr_scheduler_factory = factories(optimizer, lr_scheduler)
+        check_model_arguments(ImageClassifier.__init__, num_classes, class_names, multilabel, threshold, batch_size,
+                              recipe)
+        self.optimizer_factory, lr_scheduler = factories(optimizer, lr_scheduler)
         super().__init__()
-        self._save_hyperparameters(net, recipe, levers)
+        save_model_hyperparameters(self, net, recipe, levers)  # as a config gives them
         self.recipe, self.lever_settings = recipe, levers
-        loss = nn.CrossEntropyLoss() if loss is None else loss
-        if multilabel:
-            loss, why = for_multilabel(loss)
-            if why:
-                rank_zero_info(why)
-        self.criterion = loss
+        self.lr_plan = LrPlan(lr_scheduler, lr_scaling=recipe.lr_scaling, backbone_lr_ratio=recipe.backbone_lr_ratio,
+                              batch_size=batch_size)  # asked by configure_optimizers, restored by a resume
+        self.criterion, why = criterion(loss, multilabel)
+        if why:
+            rank_zero_info(why)
         self.threshold = threshold
         self.input_contract = dict(input_contract) if input_contract is not None else None
         self.class_names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
@@ -132,25 +121,6 @@ class ImageClassifier(L.LightningModule):
             self._set_channels_last()
         self.train_acc, self.val_metrics, self.test_metrics, self.eval_loss, self.val_acc_best = classifier_metrics(
             num_classes, multilabel, threshold)
-
-    def _save_hyperparameters(self, net, recipe: Recipe, levers: Levers) -> None:
-        """The arguments as a config gives them (class_path and init_args of each seam), the settings' dataclasses as
-        plain dicts. Each command's own threshold is left out: a checkpoint's hparams would override the command line.
-        Objects from Python (a loss module, a network or optimizer callable), which checkpoints loaded weights_only
-        cannot hold, are left out too, a network class or partial kept by name."""
-        init = inspect.currentframe().f_back  # the frame of __init__, whose arguments these are
-        with warnings.catch_warnings():  # Lightning's advice to ignore a module argument: done just below
-            warnings.filterwarnings("ignore", message="Attribute 'loss' is an instance of `nn.Module`")
-            self.save_hyperparameters(ignore=["threshold"], frame=init)
-        python_objects = [k for k in ("net", "loss", "optimizer", "lr_scheduler")
-                          if isinstance(self.hparams.get(k), nn.Module) or callable(self.hparams.get(k))]
-        if python_objects:
-            self.save_hyperparameters(ignore=["threshold", *python_objects], frame=init)
-        if "net" in python_objects and network_config(net) is not None:
-            self.hparams["net"] = network_config(net)
-        for key, value in (("recipe", recipe), ("levers", levers)):
-            if not isinstance(self.hparams.get(key), Mapping):
-                self.hparams[key] = asdict(value)
 
     def configure_model(self) -> None:
         # Called by the Trainer (each fit, validate, ...) once it knows the device.
@@ -231,11 +201,7 @@ class ImageClassifier(L.LightningModule):
     def logged_metrics(self, multilabel: bool | None = None) -> set[str]:
         """The names this model logs (what a ModelCheckpoint or EarlyStopping may monitor); `multilabel` None: as
         configured, else as a model of that kind would."""
-        multilabel = self.hparams.multilabel if multilabel is None else multilabel
-        names = {"train/loss", "train/acc", "val/acc_best"}
-        for split in ("val", "test"):
-            names |= {f"{split}/loss", *split_metrics(self.hparams.num_classes, split, multilabel).keys()}
-        return names
+        return logged_names(self.hparams.num_classes, self.hparams.multilabel if multilabel is None else multilabel)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -255,129 +221,22 @@ class ImageClassifier(L.LightningModule):
 
     # ---- optimisation ---------------------------------------------------------------------------------------
 
-    def lr_scale(self) -> float:
-        """Multiplier from the optimizer's lr (per 256 images) to the learning rate actually used."""
-        trainer = self.attached_trainer()
-        world = trainer.world_size if trainer is not None else 1
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        global_batch = world * self.hparams.batch_size * accumulate
-        return {"linear": global_batch / 256, "sqrt": math.sqrt(global_batch / 256), "none": 1.0}[
-            self.recipe.lr_scaling
-        ]
-
-    def param_groups(self) -> list[dict]:
-        """Up to four groups: (backbone | head, as the network declares them) x (decay | no decay); biases and norm
-        weights (ndim <= 1) get weight_decay 0 unless decay_norms_and_biases. Their lr is the optimizer's (scaled in
-        configure_optimizers)."""
-        head = head_parameter_names(self.net)
-        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-        for name, p in self.net.named_parameters():
-            decays = self.recipe.decay_norms_and_biases or p.ndim > 1
-            groups.setdefault((name in head, decays), []).append(p)
-        return [{"params": params, "is_head": is_head, **({} if decays else {"weight_decay": 0.0})}
-                for (is_head, decays), params in sorted(groups.items())]
-
-    def steps(self) -> tuple[int, int]:
-        """(optimizer steps of a fit from its start, optimizer steps per epoch); a resumed fit's: resumed_length."""
-        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
-        # Optimizer steps per epoch from the loader, not total_steps / max_epochs: with max_steps and no max_epochs,
-        # "epoch" would be the whole run, and warm-up with it.
-        if self.trainer.train_dataloader is None and self.trainer.state.fn == "fit":
-            self.trainer.fit_loop.setup_data()  # max_steps runs: estimated_stepping_batches does not build it
-        batches, epochs = self.trainer.num_training_batches, self.trainer.max_epochs
-        if math.isfinite(batches):
-            per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches)
-        else:  # no loader yet (an iterable of unknown length): the configured epochs
-            per_epoch = total_steps // epochs if epochs and epochs > 0 else total_steps
-        return total_steps, max(1, min(total_steps, per_epoch))
-
-    def lr_multipliers(self, groups: list[dict]) -> list[float]:
-        """Per param group: lr_scale (per 256 images -> this global batch), times backbone_lr_ratio for the backbone."""
-        return [self.lr_scale() * (1.0 if g["is_head"] else self.recipe.backbone_lr_ratio) for g in groups]
-
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """model.optimizer over param_groups (fused or foreach kernels per optimizer_impl), each group's lr multiplied
-        by its lr_multipliers: the peak rates a scheduler then starts from."""
+        """model.optimizer over the param groups (optim.py; fused or foreach kernels per optimizer_impl), each group's
+        lr scaled by the lr plan: the peak rates a scheduler then starts from."""
         impl = (self.levers.get("optimizer_impl")
                 or resolve_levers(asdict(self.lever_settings), self.device.type)[0]["optimizer_impl"])
         trainer = self.attached_trainer()
-        scaler = getattr(trainer.precision_plugin, "scaler", None) if trainer is not None else None  # 16-mixed
-        clipped = trainer is not None and bool(trainer.gradient_clip_val) and isinstance(trainer.precision_plugin,
-                                                                                          MixedPrecision)
-        optimizer, note = build_optimizer(self.optimizer_factory, self.param_groups(), impl,
-                                          grad_scaler=scaler is not None, clipped_in_mixed_precision=clipped)
+        groups = param_groups(self.net, self.recipe.decay_norms_and_biases)
+        optimizer, note = build_optimizer(self.optimizer_factory, groups, impl, **kernel_limits(trainer))
         if note:
             rank_zero_info(note)
-        for group, multiplier in zip(optimizer.param_groups, self.lr_multipliers(optimizer.param_groups), strict=True):
-            group["lr"] = group["lr"] * multiplier
-        return optimizer
+        return self.lr_plan.scale_groups(optimizer, trainer)
 
     def configure_optimizers(self):
         optimizer = self.make_optimizer()
-        multipliers = self.lr_multipliers(optimizer.param_groups)
-        head = next(i for i, g in enumerate(optimizer.param_groups) if g["is_head"])
-        peak = optimizer.param_groups[head]["lr"]
-        total_steps, steps_per_epoch = self.steps()
-        scheduler = build_lr_scheduler(self.lr_scheduler_factory, optimizer, total_steps=total_steps,
-                                       steps_per_epoch=steps_per_epoch, multipliers=multipliers)
-        warmup = getattr(scheduler, "warmup_steps", None)
-        rank_zero_info(
-            f"{target_of(self.optimizer_factory).__name__} lr {peak / multipliers[head]:g} per 256 images x "
-            f"{self.lr_scale():.4g} ({self.recipe.lr_scaling} scaling, global batch {self.trainer.world_size} x "
-            f"{self.hparams.batch_size} x {self.trainer.accumulate_grad_batches}) = {peak:.4g} for the head (peak); "
-            f"{type(scheduler).__name__} over {total_steps} steps" + (f", {warmup} of warm-up" if warmup else "")
-        )  # the peak read before the scheduler set the first step's rate
+        scheduler = self.lr_plan.scheduler(optimizer, self.trainer, target_of(self.optimizer_factory).__name__)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_train_start(self) -> None:
-        """A resumed fit whose length differs from its checkpoint's plan (another max_epochs, max_steps, batch size,
-        world size or accumulation) follows the schedule of the new length from its resume step, as a fit planned that
-        long from its start, to the end value at its last step. One without total_steps continues as saved."""
-        (saved, step), self._saved_plan = getattr(self, "_saved_plan", (None, 0)), (None, 0)
-        total_steps, steps_per_epoch = self.steps()
-        self._planned_steps = (resumed_length(self.trainer, steps_per_epoch) or total_steps) if saved else None
-        if saved is None or saved["total_steps"] == (total_steps := self._planned_steps):
-            return
-        config = self.trainer.lr_scheduler_configs[0]
-        name = type(config.scheduler).__name__
-        if "total_steps" not in unset_arguments(self.lr_scheduler_factory, {"total_steps": total_steps}):
-            rank_zero_info(f"lr schedule: {saved['total_steps']} -> {total_steps} optimizer steps; {name} takes no "
-                           f"total_steps, so it continues as saved")
-            return
-        optimizer = config.scheduler.optimizer
-        config.scheduler = replan_lr_scheduler(self.lr_scheduler_factory, optimizer, step=step,
-                                               total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                                               multipliers=self.lr_multipliers(optimizer.param_groups))
-        what = "the cosine" if isinstance(config.scheduler, WarmupCosine) else name
-        rank_zero_info(f"lr schedule: {saved['total_steps']} -> {total_steps} optimizer steps; {what} follows the "
-                       f"new length from step {step}")
-
-    # ---- resuming on another global batch (elastic restarts, fewer GPUs) --------------------------------------
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lr_scale"] = self.lr_scale()
-        trainer = self.attached_trainer()
-        if trainer is not None and trainer.state.fn == "fit":
-            checkpoint["lr_plan"] = {"total_steps": getattr(self, "_planned_steps", None) or self.steps()[0]}
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Rescale the restored learning rates when the global batch changed since the checkpoint (another world size
-        after an elastic restart, other accumulation): the optimizer and schedule states carry the old scale. Note
-        the run length the checkpoint's schedule was planned for (on_train_start follows a new one)."""
-        self._saved_plan = (checkpoint.get("lr_plan"), checkpoint.get("global_step", 0))
-        saved = checkpoint.get("lr_scale")
-        trainer = self.attached_trainer()
-        if saved is None or trainer is None or trainer.state.fn != "fit":
-            return
-        factor = self.lr_scale() / saved
-        if math.isclose(factor, 1.0):
-            return
-        rescale_learning_rates(checkpoint, factor)
-        rank_zero_info(
-            f"resuming on a global batch of {self.trainer.world_size} x {self.hparams.batch_size} x "
-            f"{self.trainer.accumulate_grad_batches}: learning rates rescaled x{factor:.4g} ({self.recipe.lr_scaling} "
-            f"scaling: {saved:.4g} -> {self.lr_scale():.4g} per the lr of 256 images)"
-        )
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, threshold: float | None = None) -> ImageClassifier:
@@ -385,15 +244,3 @@ class ImageClassifier(L.LightningModule):
         checkpoint, no config file, nothing unpickled (lightning_modules/pretrained.py)."""
         return pretrained.from_pretrained(cls, name_or_path, threshold=threshold)
 
-
-def _check_arguments(num_classes: int, class_names: list[str] | None, multilabel: bool, threshold: float,
-                     batch_size: int, recipe: Recipe) -> None:
-    """ImageClassifier's refusals of its arguments, before anything is built."""
-    check_arguments("model", ImageClassifier.__init__, {"threshold": threshold, "batch_size": batch_size})
-    if num_classes is None or num_classes < 2:
-        raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
-    if class_names is not None and len(class_names) != num_classes:
-        raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
-    if multilabel and (recipe.mixup_alpha or recipe.cutmix_alpha):
-        raise ValueError("model.recipe.mixup_alpha and model.recipe.cutmix_alpha mix single-label targets; this "
-                         "data is multi-label (train/labels.csv): set both to 0")

@@ -50,10 +50,12 @@ class BinaryCrossEntropy(nn.Module):
         return F.binary_cross_entropy_with_logits(logits, target)
 
 
-def for_multilabel(loss: nn.Module) -> tuple[nn.Module, str | None]:
-    """The loss to use on multi-label data: a softmax cross-entropy (the default) becomes a binary cross-entropy per
-    class with the same smoothing, and the reason is returned to be said; any other loss is the user's choice."""
-    if isinstance(loss, nn.CrossEntropyLoss):
+def criterion(loss: nn.Module | None, multilabel: bool) -> tuple[nn.Module, str | None]:
+    """`model.loss` as the model uses it (None: torch's CrossEntropyLoss). On multi-label data a softmax cross-entropy
+    becomes a binary cross-entropy per class with the same smoothing, and the reason is returned to be said; any other
+    loss is the user's choice."""
+    loss = nn.CrossEntropyLoss() if loss is None else loss
+    if multilabel and isinstance(loss, nn.CrossEntropyLoss):
         smoothing = loss.label_smoothing
         return BinaryCrossEntropy(label_smoothing=smoothing), (
             "model.loss: CrossEntropyLoss scores one class per image, and the data is multi-label (labels.csv): "

@@ -1,34 +1,30 @@
-"""Building the injected optimizer and LR scheduler, and rescaling the learning rates of a checkpoint to another
-global batch.
+"""Building the injected optimizer over the model's param groups.
 
 `model.optimizer` is any callable `params -> torch.optim.Optimizer` (in YAML: a class_path such as torch.optim.AdamW
 or timm.optim.Lamb, which jsonargparse hands over as a functools.partial of its init_args), and `model.lr_scheduler`
 any callable `optimizer -> LRScheduler`. The model calls each with what only it knows, where the callable takes it and
 the config left it unset (None): the optimizer's `fused` or `foreach` kernels (model.levers.optimizer_impl), the
-scheduler's `total_steps` and `steps_per_epoch` (the run's length).
+scheduler's `total_steps` and `steps_per_epoch` (the run's length: lr_plan.py).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
 
+from lightning_modules.network import head_parameter_names
 from lightning_modules.schedules import WarmupCosine
 
 # The recipe's default (model.optimizer: null, model.lr_scheduler: null): SGD with Nesterov momentum at 0.1 per 256
 # images, then 1 warm-up epoch and a cosine decay.
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
 DEFAULT_LR_SCHEDULER = functools.partial(WarmupCosine, warmup_epochs=1.0)
-
-# The learning rates an optimizer's param groups and a scheduler's state carry (OneCycleLR: max_lr and min_lr in the
-# groups; CyclicLR: max_lrs; ReduceLROnPlateau: min_lrs; CosineAnnealingLR: eta_min), rescaled on a resume.
-LR_KEYS = frozenset({"lr", "initial_lr", "max_lr", "min_lr", "base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min"})
 
 
 def target_of(factory: Callable) -> Callable:
@@ -73,6 +69,29 @@ def unset_arguments(factory: Callable, values: dict[str, Any]) -> dict[str, Any]
         return {}
     given = getattr(factory, "keywords", {}) or {}
     return {k: v for k, v in values.items() if k in accepted and given.get(k) is None}
+
+
+def param_groups(net: nn.Module, decay_norms_and_biases: bool) -> list[dict]:
+    """Up to four groups: (backbone | head, as the network declares them) x (decay | no decay); biases and norm
+    weights (ndim <= 1) get weight_decay 0 unless decay_norms_and_biases. Their lr is the optimizer's (the lr plan
+    scales it: lr_plan.py)."""
+    head = head_parameter_names(net)
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, p in net.named_parameters():
+        decays = decay_norms_and_biases or p.ndim > 1
+        groups.setdefault((name in head, decays), []).append(p)
+    return [{"params": params, "is_head": is_head, **({} if decays else {"weight_decay": 0.0})}
+            for (is_head, decays), params in sorted(groups.items())]
+
+
+def kernel_limits(trainer) -> dict[str, bool]:
+    """What the Trainer's precision asks of the optimizer's kernels (build_optimizer's keywords): a GradScaler
+    (16-mixed), gradients clipped under mixed precision; nothing without a Trainer."""
+    if trainer is None:
+        return {}
+    plugin = trainer.precision_plugin
+    return {"grad_scaler": getattr(plugin, "scaler", None) is not None,
+            "clipped_in_mixed_precision": bool(trainer.gradient_clip_val) and isinstance(plugin, MixedPrecision)}
 
 
 def build_optimizer(factory: Callable, groups: list[dict], impl: str, *, grad_scaler: bool = False,
@@ -126,70 +145,3 @@ def _zero_missing_momentum(optimizer: torch.optim.Optimizer, args, kwargs) -> No
 
 def _is_subclass(target: Callable, classes: tuple[type, ...]) -> bool:
     return isinstance(target, type) and issubclass(target, classes)
-
-
-def build_lr_scheduler(factory: Callable, optimizer: torch.optim.Optimizer, *, total_steps: int,
-                       steps_per_epoch: int, multipliers: list[float]):
-    """`factory(optimizer)`, given the run's length where it takes it; an absolute `max_lr` the config gave
-    (OneCycleLR's) is per 256 images like the optimizer's lr: multiplied per group as the groups' lrs were."""
-    extra = unset_arguments(factory, {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch})
-    max_lr = (getattr(factory, "keywords", None) or {}).get("max_lr")
-    if max_lr is not None:
-        peaks = max_lr if isinstance(max_lr, list | tuple) else [max_lr] * len(multipliers)
-        extra["max_lr"] = [lr * m for lr, m in zip(peaks, multipliers, strict=True)]
-    return factory(optimizer, **extra)
-
-
-def replan_lr_scheduler(factory: Callable, optimizer: torch.optim.Optimizer, *, step: int, total_steps: int,
-                        steps_per_epoch: int, multipliers: list[float]):
-    """The scheduler a fit of `total_steps` would have at optimizer `step` had it been planned that long from the
-    start: `factory` built anew for the new length and stepped `step` times (its lrs are those of that step). For a
-    resume whose length differs from the checkpoint's, where the restored scheduler would keep the old length."""
-    scheduler = build_lr_scheduler(factory, optimizer, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                                   multipliers=multipliers)  # from the groups' initial_lr: their peaks
-    with warnings.catch_warnings():  # stepped without an optimizer step, on purpose
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-        for _ in range(step):
-            scheduler.step()
-    return scheduler
-
-
-def resumed_length(trainer, steps_per_epoch: int) -> int | None:
-    """The optimizer steps a resumed fit will have taken at its end, once its checkpoint and data position are
-    restored (the model's on_train_start): those taken, the rest of the epoch in progress (all of it where the epoch
-    restarts on another world size) and `steps_per_epoch` for each later epoch; None for a run set by max_steps alone.
-    Lightning's estimate, max_epochs x the steps of an epoch now, is wrong once an epoch's steps changed (another batch
-    size or world size): the schedule would end early and train the last epochs at lr 0, or end above it."""
-    loop, max_epochs = trainer.fit_loop, trainer.max_epochs
-    if max_epochs is None or max_epochs < 0 or not math.isfinite(trainer.num_training_batches):
-        return None
-    epochs = loop.epoch_progress.current
-    if epochs.started > epochs.processed:  # saved inside an epoch, which goes on from the batches it has done
-        done = loop.epoch_loop.batch_progress.current.processed  # an optimizer step each `accumulate` and at the end
-        this = steps_per_epoch - done // trainer.accumulate_grad_batches if done < trainer.num_training_batches else 0
-    else:
-        this = steps_per_epoch
-    later = max(0, max_epochs - trainer.current_epoch - 1) * steps_per_epoch
-    total = trainer.global_step + (this + later if trainer.current_epoch < max_epochs else 0)
-    return max(1, min(total, trainer.max_steps) if trainer.max_steps >= 0 else total)
-
-
-def rescale_learning_rates(checkpoint: dict, factor: float) -> None:
-    """Multiply every learning rate a checkpoint's optimizer and scheduler states carry by `factor`, in place: each
-    of LR_KEYS in the param groups and the scheduler states, nested schedulers (SequentialLR's) included."""
-    for state in checkpoint.get("optimizer_states", []):
-        for group in state["param_groups"]:
-            _rescale(group, factor)
-    for state in checkpoint.get("lr_schedulers", []):
-        _rescale(state, factor)
-
-
-def _rescale(state: dict, factor: float) -> None:
-    for key, value in state.items():
-        if key in LR_KEYS and isinstance(value, int | float | torch.Tensor) and not isinstance(value, bool):
-            state[key] = value * factor
-        elif key in LR_KEYS and isinstance(value, list | tuple):
-            state[key] = type(value)(v * factor for v in value)
-        elif key == "_schedulers":  # SequentialLR, ChainedScheduler: their schedulers' states
-            for inner in value:
-                _rescale(inner, factor)

@@ -1,14 +1,20 @@
 """The model's small groups of settings (`model.recipe`, `model.levers`): typed fields, each with its one-line doc;
-and the levers chosen for a device (`resolve_levers`)."""
+the levers chosen for a device (`resolve_levers`); and the model's arguments, checked and saved as its checkpoints
+keep them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from torch import nn
+
 from core import hardware
 from core.config_types import NonNegativeFloat, check_arguments
+from lightning_modules.network import network_config
 
 Auto = Literal["auto"]
 OptimizerImpl = Literal["auto", "default", "foreach", "fused"]
@@ -74,3 +80,36 @@ def resolve_levers(settings: Mapping, device: str) -> tuple[dict[str, bool | str
         shown = ("on" if value else "off") if isinstance(value, bool) else value
         reasons.append(f"{key} {shown} ({why})")
     return levers, reasons
+
+
+def check_model_arguments(init: Callable, num_classes: int, class_names: list[str] | None, multilabel: bool,
+                          threshold: float, batch_size: int, recipe: Recipe) -> None:
+    """ImageClassifier's refusals of its arguments (`init`: its __init__), before anything is built."""
+    check_arguments("model", init, {"threshold": threshold, "batch_size": batch_size})
+    if num_classes is None or num_classes < 2:
+        raise ValueError(f"model.num_classes={num_classes} must be at least 2 (it is linked from the data)")
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(f"model.class_names has {len(class_names)} names but model.num_classes={num_classes}")
+    if multilabel and (recipe.mixup_alpha or recipe.cutmix_alpha):
+        raise ValueError("model.recipe.mixup_alpha and model.recipe.cutmix_alpha mix single-label targets; this "
+                         "data is multi-label (train/labels.csv): set both to 0")
+
+
+def save_model_hyperparameters(model, net, recipe: Recipe, levers: Levers) -> None:
+    """The arguments of the caller (`model`'s __init__) as a config gives them (class_path and init_args of each
+    seam), the settings' dataclasses as plain dicts. Each command's own threshold is left out: a checkpoint's hparams
+    would override the command line. Objects from Python (a loss module, a network or optimizer callable), which
+    checkpoints loaded weights_only cannot hold, are left out too, a network class or partial kept by name."""
+    init = inspect.currentframe().f_back  # the frame of __init__, whose arguments these are
+    with warnings.catch_warnings():  # Lightning's advice to ignore a module argument: done just below
+        warnings.filterwarnings("ignore", message="Attribute 'loss' is an instance of `nn.Module`")
+        model.save_hyperparameters(ignore=["threshold"], frame=init)
+    python_objects = [k for k in ("net", "loss", "optimizer", "lr_scheduler")
+                      if isinstance(model.hparams.get(k), nn.Module) or callable(model.hparams.get(k))]
+    if python_objects:
+        model.save_hyperparameters(ignore=["threshold", *python_objects], frame=init)
+    if "net" in python_objects and network_config(net) is not None:
+        model.hparams["net"] = network_config(net)
+    for key, value in (("recipe", recipe), ("levers", levers)):
+        if not isinstance(model.hparams.get(key), Mapping):
+            model.hparams[key] = asdict(value)

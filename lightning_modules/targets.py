@@ -47,6 +47,14 @@ def classifier_metrics(num_classes: int, multilabel: bool, threshold: float) -> 
             split_metrics(num_classes, "test", multilabel, threshold), eval_loss, val_acc_best)
 
 
+def logged_names(num_classes: int, multilabel: bool) -> set[str]:
+    """The names a classifier of `num_classes` logs (what a ModelCheckpoint or EarlyStopping may monitor)."""
+    names = {"train/loss", "train/acc", "val/acc_best"}
+    for split in ("val", "test"):
+        names |= {f"{split}/loss", *split_metrics(num_classes, split, multilabel).keys()}
+    return names
+
+
 def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> v2.Transform | None:
     """(images (B, C, H, W), labels (B,)) -> (mixed images, soft labels (B, num_classes)): mixup, CutMix or either.
 

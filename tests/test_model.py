@@ -25,6 +25,7 @@ from lightning_modules.schedules import WarmupCosine
 from lightning_modules.targets import batch_mix
 from tests.helpers import make_image_folder
 from training.callbacks import FreezeBackbone
+from training.resume import LrPlanAcrossResumes
 
 
 @pytest.mark.parametrize(("arch", "features"), [("resnet18", 512), ("resnet50", 2048)])
@@ -272,7 +273,7 @@ def test_lr_scales_with_the_global_batch(scaling, expected):
     model = ImageClassifier(num_classes=3, net=partial(BackboneWithHead, arch="resnet18"), batch_size=64,
                             recipe=Recipe(lr_scaling=scaling))
     model.trainer = L.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=2, logger=False)
-    assert model.lr_scale() == pytest.approx(expected)  # global batch 1 x 64 x 2 = 128 images
+    assert model.lr_plan.scale(model.trainer) == pytest.approx(expected)  # global batch 1 x 64 x 2 = 128 images
 
 
 def _fit(root, epochs: int | None = 1, callbacks=(), trainer_kwargs: dict | None = None, ckpt_path=None,
@@ -370,13 +371,14 @@ def test_warm_up_epochs_are_loader_epochs_under_max_steps(tmp_path):
 
 def test_resuming_on_another_global_batch_rescales_the_learning_rate(tmp_path, caplog):
     """Accumulating 2 batches after a checkpoint taken with 1 doubles the global batch: the restored optimizer and
-    schedule states are rescaled (linear scaling x2), and the run says so."""
+    schedule states are rescaled (linear scaling x2) by the callback the CLI adds to every run, and the run says so."""
     make_image_folder(tmp_path, {"a": 6, "b": 6}, size=32)
-    first, _ = _fit(tmp_path, epochs=1)
+    first, _ = _fit(tmp_path, epochs=1, callbacks=[LrPlanAcrossResumes()])
     ckpt = tmp_path / "one.ckpt"
     first.trainer.save_checkpoint(ckpt)
     with caplog.at_level(logging.INFO):
-        second, _ = _fit(tmp_path, epochs=2, trainer_kwargs={"accumulate_grad_batches": 2}, ckpt_path=ckpt)
+        second, _ = _fit(tmp_path, epochs=2, trainer_kwargs={"accumulate_grad_batches": 2}, ckpt_path=ckpt,
+                         callbacks=[LrPlanAcrossResumes()])
     base = second.trainer.optimizers[0].param_groups[-1]["initial_lr"]
     assert base == pytest.approx(first.trainer.optimizers[0].param_groups[-1]["initial_lr"] * 2)
     assert second.trainer.lr_scheduler_configs[0].scheduler.state_dict()["base_lrs"][-1] == pytest.approx(base)

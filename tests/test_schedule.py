@@ -1,6 +1,7 @@
-"""The learning-rate schedule across resumes that change the run's length (lightning_modules/schedules.py and the
-model's on_train_start): from the step a fit resumes at, the lr is what a fit planned that long from the start has
-there, so every run ends at the schedule's end value. In-process fits of a small network, a few steps each."""
+"""The learning-rate schedule across resumes that change the run's length (lightning_modules/schedules.py, the model's
+lr plan and training/resume/lr_plan.py): from the step a fit resumes at, the lr is what a fit planned that long from
+the start has there, so every run ends at the schedule's end value. In-process fits of a small network, a few steps
+each, with the callback the CLI adds to every run."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_modules import ImageClassifier
-from lightning_modules.optim import resumed_length
 from lightning_modules.schedules import WarmupCosine, warmup_cosine
 from tests.user_plugins import LinearDecay, SmallGeMNet
+from training.resume.lr_plan import LrPlanAcrossResumes, ResumablePlan, plan_of, resumed_length
 
 BATCH = 4
 PEAK = 0.1 * BATCH / 256  # the optimizer's lr per 256 images, at this batch (linear scaling)
@@ -47,7 +48,8 @@ def fit(folder, *, scheduler, ckpt_path=None, callbacks=(), **limits):
     lrs = Lrs()
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, default_root_dir=folder,
-                        callbacks=[lrs, ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0), *callbacks],
+                        callbacks=[lrs, LrPlanAcrossResumes(), *callbacks,
+                                   ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0)],
                         **limits)
     trainer.fit(model, DataLoader(data, batch_size=BATCH), ckpt_path=ckpt_path)
     return lrs.steps, trainer.lr_scheduler_configs[0].scheduler
@@ -125,7 +127,7 @@ def test_the_schedule_is_one_function_of_the_step_and_the_length():
 
 def _restored(*, step: int, epoch: int, inside: int | None, batches: int = 10, accumulate: int = 4,
               max_epochs: int = 3, max_steps: int = -1) -> SimpleNamespace:
-    """A trainer as a resumed fit's on_train_start sees it: `inside` batches done of epoch `epoch` in progress, or
+    """A trainer as a resumed fit's train start sees it: `inside` batches done of epoch `epoch` in progress, or
     None at an epoch's end (Lightning's progress counters: started > processed inside an epoch)."""
     progress = SimpleNamespace(started=epoch + 1, processed=epoch if inside is not None else epoch + 1)
     batch = SimpleNamespace(processed=inside if inside is not None else batches)
@@ -148,3 +150,11 @@ def _restored(*, step: int, epoch: int, inside: int | None, batches: int = 10, a
 ])
 def test_a_resumed_fits_length_counts_the_steps_its_data_has_left(trainer, length):
     assert resumed_length(trainer, steps_per_epoch=3) == length
+
+
+def test_the_models_lr_plan_is_one_a_resume_can_restore():
+    """training.resume.lr_plan reads the model's plan by its contract alone (it imports nothing of the model)."""
+    model = ImageClassifier(num_classes=3, net=SmallGeMNet, batch_size=BATCH)
+    assert isinstance(model.lr_plan, ResumablePlan)
+    assert plan_of(model) is model.lr_plan
+    assert plan_of(L.LightningModule()) is None  # a module without a plan: its checkpoints are left alone

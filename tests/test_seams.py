@@ -17,7 +17,6 @@ from torch import nn
 from lightning_modules import BackboneWithHead, ImageClassifier, Recipe
 from lightning_modules.losses import BinaryCrossEntropy
 from lightning_modules.network import head_parameter_names
-from lightning_modules.optim import rescale_learning_rates
 from lightning_modules.schedules import WarmupCosine
 from tests.helpers import (
     CONFIGS,
@@ -32,6 +31,7 @@ from tests.helpers import (
 from tests.user_plugins import FocalLoss, LinearDecay, SmallGeMNet
 from training.callbacks import FreezeBackbone
 from training.records.report import read_run
+from training.resume.lr_plan import rescale_learning_rates
 
 LOSSES = [nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1), BinaryCrossEntropy(0.1, 0.2),
           FocalLoss(2.0)]

@@ -1,6 +1,7 @@
 """Resume and fault tolerance, in one room (docs/FAULT_TOLERANCE.md): the checkpoints a resume can trust and the one
-every rank loads (checkpoints.py), the exact continuation of a run (exact.py), the guards the CLI adds to every run
-(preemption.py, non_finite.py, curves.py; `fault_callbacks` below) and what they share (faults.py).
+every rank loads (checkpoints.py), the exact continuation of a run (exact.py), the learning rates of a resume on
+another global batch or length (lr_plan.py), the guards the CLI adds to every run (preemption.py, non_finite.py,
+curves.py; `fault_callbacks` below) and what they share (faults.py).
 
 The Lightning internals this room reads, each named with its reason in tests/test_internals.py's FENCE:
 - `FitLoop._combined_loader_states_to_load`, `FitLoop._data_fetcher` (exact.py): the restored loader position,
@@ -13,12 +14,14 @@ The Lightning internals this room reads, each named with its reason in tests/tes
 
 from training.resume.curves import CurvesAcrossResumes
 from training.resume.exact import ExactResume
+from training.resume.lr_plan import LrPlanAcrossResumes
 from training.resume.non_finite import NonFiniteLossGuard
 from training.resume.preemption import Preemption
 
-__all__ = ["CurvesAcrossResumes", "ExactResume", "NonFiniteLossGuard", "Preemption"]
+__all__ = ["CurvesAcrossResumes", "ExactResume", "LrPlanAcrossResumes", "NonFiniteLossGuard", "Preemption"]
 
 
 def fault_callbacks() -> list:
-    """The fault guards the CLI adds to every run, after the configured callbacks."""
-    return [ExactResume(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes()]
+    """The fault guards the CLI adds to every run, after the configured callbacks (LrPlanAcrossResumes after
+    ExactResume, whose restart of an epoch on another world size the resumed length counts)."""
+    return [ExactResume(), LrPlanAcrossResumes(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes()]
