@@ -33,8 +33,9 @@ from lightning_modules.pretrained import (
     network_spec,
     read_config,
 )
-from training.records.saved_run import SavedRun, checkpoint_file, run_folder
+from training.records.saved_run import SavedRun, checkpoint_file
 from training.records.secrets import redact_secrets, redact_values
+from training.resume.checkpoints import run_folder
 
 CARD_FILE = "README.md"
 TRAINING_CONFIG = "training_config.yaml"
@@ -103,7 +104,7 @@ def publish(ckpt_path: str | Path, out_dir: str | Path, *, threshold: float | No
         raise ValueError(f"--threshold is for multi-label models; {ckpt_path} is single-label: drop it")
     config = model_config(saved, threshold, averaged)
     model_hparams(config)  # the config rebuilds the model: fails here, not for the user
-    run = run_folder(saved)
+    run = run_folder(saved.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written in full beside OUT_DIR, then moved in: an error half-way leaves OUT_DIR as it was.
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:

@@ -1,5 +1,5 @@
 """A checkpoint evaluates and predicts with the preprocessing and classes it was trained with, and a fit continues a
-checkpoint only when it is the same, unfinished run (training/records/saved_run.py).
+checkpoint only when it is the same, unfinished run (training/resume/same_run.py).
 
 One tiny run, trained once: the quickstart recipe (preset none, 32 px) on digits whose class folders are named
 `zero` ... `nine`, so that the DataModule's defaults (imagenet preset, 224 px, `data/digits` with folders `0` ... `9`)

@@ -20,12 +20,12 @@ from training.records.saved_run import (
     NoCheckpointError,
     SavedRun,
     best_checkpoint_of,
-    check_resume_overrides,
     evaluation_data,
     explicit_class,
     explicit_keys,
 )
 from training.resume.checkpoints import newest_intact_checkpoint, resolve_resume
+from training.resume.same_run import check_resume_overrides
 
 
 def resolve_checkpoint(cli) -> None:

@@ -13,7 +13,8 @@ from lightning_modules.network import net_weights, without_pretrained_weights
 from lightning_modules.pretrained import is_model_folder, load_network_weights
 from training.records.loggers import RESUMABLE
 from training.records.run_dir import WANDB_RUN_ID_FILE, run_dir
-from training.records.saved_run import ClassMismatchError, check_classes, check_same_data, check_unfinished
+from training.records.saved_run import ClassMismatchError, check_classes
+from training.resume.same_run import check_same_data, check_unfinished
 
 
 class ModelInstantiator(_InstantiatorFn):
@@ -42,7 +43,7 @@ class ModelInstantiator(_InstantiatorFn):
 class DataInstantiator(_InstantiatorFn):
     """The classes of a command run from a checkpoint are the checkpoint's: `predict` takes them whatever the data
     folder holds (with `data.root: null` there is none), `validate` and `test` check the folder's against them, and a
-    resumed fit checks that the data is its run's (training.records.saved_run)."""
+    resumed fit checks that the data is its run's (training.resume.same_run)."""
 
     def __call__(self, class_type, *args, applied_instantiation_links: dict, **kwargs):
         datamodule = super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,

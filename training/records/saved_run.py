@@ -8,14 +8,12 @@ preprocessing the network was trained with), the DataModule's, and how far the f
   it differs from training;
 - without `--ckpt_path` they evaluate the run directory's best checkpoint, or say that they evaluate pretrained
   weights, or refuse: never an untrained network in silence;
-- `imgcls fit` continues a checkpoint only when it is the same run (classes, model, data), not finished, and not
-  changed on the command line.
+- `imgcls fit` continues a checkpoint only when it is the same run, unfinished (training/resume/same_run.py).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,22 +29,12 @@ from training.resume.checkpoints import (
     newest_intact_checkpoint,
     unsafe_message,
 )
+from training.resume.same_run import same_path, short_names
 
 log = logging.getLogger(__name__)
 
 # The data keys of the held-out validation split.
 SPLIT_KEYS = ("val_split", "split_seed")
-# Model keys a resume may change: the speed levers (how the same run computes) and what the data links in.
-RESUME_MAY_CHANGE = frozenset({"levers", "threshold",
-                               "num_classes", "class_names", "multilabel", "batch_size", "input_contract"})
-
-
-class NotTheSameRunError(ValueError):
-    """A fit would continue a checkpoint of another run (other classes, model or data), or change it in silence."""
-
-
-class FinishedRunError(ValueError):
-    """A fit would resume a checkpoint that has already reached max_epochs or max_steps: nothing left to train."""
 
 
 class ClassMismatchError(ValueError):
@@ -95,16 +83,6 @@ class SavedRun:
         """The model's evaluation preprocessing (None: its data source stated none)."""
         contract = self.model.get("input_contract")
         return dict(contract) if contract is not None else None
-
-    def finished(self, max_epochs: int | None, max_steps: int) -> str | None:
-        """Why a fit resumed from here would train nothing (Lightning's own stopping rule), or None."""
-        if max_steps is not None and max_steps != -1 and self.global_step >= max_steps:
-            return f"max_steps={max_steps} reached (global step {self.global_step})"
-        if max_epochs is None:
-            max_epochs = 1000 if max_steps in (None, -1) else -1  # Lightning's default
-        if max_epochs != -1 and self.epochs_done is not None and self.epochs_done >= max_epochs:
-            return f"max_epochs={max_epochs} reached"
-        return None
 
     def best(self) -> tuple[str, str | None]:
         """(the best checkpoint that a ModelCheckpoint of this run recorded, "monitor score"), or (this one, None)."""
@@ -179,7 +157,7 @@ def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: s
         init["eval_transform"] = _with_short_forms_set(trained, data, explicit, saved, command)
         taken["data.eval_transform"] = name_of(trained)
     root = data.get("root")
-    if root and saved.data.get("root") and _same_path(root, saved.data["root"]) and not (Path(root) / "val").is_dir():
+    if root and saved.data.get("root") and same_path(root, saved.data["root"]) and not (Path(root) / "val").is_dir():
         init |= {k: saved.data[k] for k in SPLIT_KEYS if k in saved.data and not set_by_user(k, explicit)}
         taken |= {f"data.{k}": v for k, v in init.items() if k in SPLIT_KEYS}
     if "class_path" not in update:
@@ -242,64 +220,9 @@ def check_classes(data_names: list[str] | None, saved: SavedRun, root, command: 
     only_ckpt = [n for n in names if n not in data_names]
     raise ClassMismatchError(
         f"data.root={root} has {len(data_names)} classes and the checkpoint {saved.path} has {len(names)}, not the "
-        f"same: only in the data: {_short(only_data)}; only in the checkpoint: {_short(only_ckpt)}; {command} needs "
-        f"data with the model's classes (to train on these, start a new run with --model.net.weights {saved.path})")
-
-
-def run_folder(saved: SavedRun) -> Path:
-    """The run directory a checkpoint belongs to (<run>/checkpoints/x.ckpt -> <run>)."""
-    return saved.path.parent.parent if saved.path.parent.name == "checkpoints" else saved.path.parent
-
-
-def _new_run_hint(saved: SavedRun, how: str) -> str:
-    if how == "auto_resume":
-        return "pass a new --trainer.default_root_dir for a new run"
-    return (f"start a new run from these weights with --model.net.weights {saved.path} and a new "
-            "--trainer.default_root_dir")
-
-
-def check_resume_overrides(saved: SavedRun, model, explicit_model: set[str] | None, how: str) -> None:
-    """Refuses a resumed fit whose config sets a model value other than the checkpoint's, which would otherwise win in
-    silence (LightningCLI merges the checkpoint's hyperparameters over the command line). The speed levers and what
-    the data links in may change. `how`: auto_resume or --ckpt_path ..., named in the message."""
-    changed = []
-    for key in sorted(explicit_model or ()):
-        if key in RESUME_MAY_CHANGE or key not in saved.model:
-            continue
-        new, old = _flat(model.get(key), f"model.{key}"), _flat(saved.model[key], f"model.{key}")
-        changed += [f"{k}={new.get(k)} (the checkpoint's: {old.get(k)})" for k in sorted(new.keys() | old.keys())
-                    if not _equal(new.get(k), old.get(k))]
-    if changed:
-        raise NotTheSameRunError(
-            f"{how}: {'; '.join(changed)}: a resumed fit continues {run_folder(saved)} as it was trained, so the "
-            f"checkpoint's value would be used; drop the override to resume, or {_new_run_hint(saved, how)}")
-
-
-def check_same_data(saved: SavedRun, root, data_names: list[str] | None, how: str) -> None:
-    """Refuses a resumed fit on other classes than its checkpoint's, and an auto_resume on another data root (an
-    explicit --ckpt_path may continue on data that moved: said in one line)."""
-    names = saved.class_names
-    if names is not None and data_names is not None and list(data_names) != names:
-        raise NotTheSameRunError(
-            f"{how}: {run_folder(saved)} holds a run on other classes ({_short(names)}) than data.root={root} "
-            f"({_short(data_names)}); {_new_run_hint(saved, how)}")
-    trained_on = saved.data.get("root")
-    if trained_on and root and not _same_path(trained_on, root):
-        if how == "auto_resume":
-            raise NotTheSameRunError(
-                f"auto_resume: {run_folder(saved)} holds a run on data.root={trained_on}, not {root}; "
-                f"{_new_run_hint(saved, how)}, or --ckpt_path {saved.path} to continue it on this data")
-        rank_zero_info(f"{how}: continuing on data.root={root}; the checkpoint trained on {trained_on} (same classes)")
-
-
-def check_unfinished(saved: SavedRun, max_epochs: int | None, max_steps: int, how: str) -> None:
-    """Refuses to "resume" a finished run: Lightning would train nothing, validate, and exit 0."""
-    why = saved.finished(max_epochs, max_steps)
-    if why:
-        raise FinishedRunError(
-            f"{how}: {saved.path} has finished its run ({why}), so there is nothing to train; raise "
-            "--trainer.max_epochs or --trainer.max_steps to train on, pass a new --trainer.default_root_dir for a "
-            f"new run, or evaluate it: imgcls validate --config {run_folder(saved) / 'config.yaml'}")
+        f"same: only in the data: {short_names(only_data)}; only in the checkpoint: {short_names(only_ckpt)}; "
+        f"{command} needs data with the model's classes (to train on these, start a new run with --model.net.weights "
+        f"{saved.path})")
 
 
 def best_checkpoint_of(run_dir: Path, folders: list[Path]) -> tuple[str, str | None] | None:
@@ -308,38 +231,3 @@ def best_checkpoint_of(run_dir: Path, folders: list[Path]) -> tuple[str, str | N
     if newest is None:
         return None
     return SavedRun.read(newest).best()
-
-
-def _same_path(a, b) -> bool:
-    a, b = str(a), str(b)
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
-def _flat(value, key: str) -> dict[str, Any]:
-    """{dotted key: leaf} of a value that may be a nested config (a Namespace or dict: an injected part's
-    class_path and init_args), so that a difference is named by its leaf."""
-    value = value.as_dict() if hasattr(value, "as_dict") else value
-    if isinstance(value, Mapping) and value:
-        return {k: v for sub, item in value.items() for k, v in _flat(item, f"{key}.{sub}").items()}
-    return {key: value}
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        try:
-            return math.isclose(float(a), float(b), rel_tol=1e-12)
-        except (TypeError, ValueError):
-            return False
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return list(a) == list(b)
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return dict(a) == dict(b)
-    return a == b
-
-
-def _short(names: list[str], most: int = 8) -> str:
-    if not names:
-        return "none"
-    return ", ".join(map(str, names[:most])) + (f" and {len(names) - most} more" if len(names) > most else "")

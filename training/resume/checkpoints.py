@@ -234,6 +234,11 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"unreadable ({err.strerror or err})"
 
 
+def run_folder(checkpoint: Path) -> Path:
+    """The run directory a checkpoint belongs to (<run>/checkpoints/x.ckpt -> <run>)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
 @dataclass(frozen=True)
 class ResumePlan:
     """The checkpoint a fit loads (None: from scratch), and the unusable ones seen while choosing it."""
