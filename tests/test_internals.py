@@ -27,7 +27,7 @@ MAX_PRIVATE_NAMES = 15
 
 # name -> (where it is used, why no public way exists)
 FENCE = {
-    "_run": ("training/trainer.py: Trainer._run",
+    "_run": ("training/resume/agreement.py: AgreedResume._run",
              "the ranks agree on the resume checkpoint after the process group exists and before any rank reads it; "
              "Lightning has no hook between the two, and the checkpoint path is a local of _run"),
     "_data_fetcher": ("training/resume/exact.py",
@@ -40,7 +40,7 @@ FENCE = {
                                         "the loader positions Lightning restored but never applies once "
                                         "estimated_stepping_batches built the loader; no public way to read or drop "
                                         "them"),
-    "_last_global_step_saved": ("training/callbacks/checkpoint.py, exact_resume.py",
+    "_last_global_step_saved": ("training/callbacks/checkpoint.py, training/resume/exact.py",
                                 "the step a ModelCheckpoint last saved at: ExactResume defers, records and restores "
                                 "it (Lightning keeps it in memory only), for any ModelCheckpoint a user configures"),
     "_last_checkpoint_saved": ("training/callbacks/checkpoint.py",

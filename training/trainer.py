@@ -1,18 +1,15 @@
-"""Lightning's Trainer with `precision: auto`, resolved from what the hardware can do (core/hardware.py), and
-one resume decision for all ranks."""
+"""Lightning's Trainer with `precision: auto`, resolved from what the hardware can do (core/hardware.py), over
+training.resume's one resume decision for all ranks."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-import lightning as L
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from core import hardware
-from training.resume.checkpoints import ResumePlan, agree_on_resume, tidy_checkpoint_folders
+from training.resume.agreement import AgreedResume
 
 # The values lightning.Trainer's `precision` takes (tests/test_internals.py checks them against its annotation), and
 # `auto`: typed, so that `--help` lists them and the CLI refuses a typo.
@@ -20,16 +17,13 @@ Precision = Literal["auto", "transformer-engine", "transformer-engine-float16", 
                     "bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16", 64, 32, 16]
 
 
-class Trainer(L.Trainer):
+class Trainer(AgreedResume):
     """`lightning.Trainer`, whose `precision` also takes `auto` (the default): 16-mixed on CUDA, bf16-mixed on a CPU
     with native bf16 (AVX512-BF16 or AMX), 32-true on any other CPU. The choice and its reason are printed. An
     explicit precision is obeyed, with a warning when it asks for bf16 on a CPU that would emulate it.
 
-    A fit resumes every rank from rank 0's checkpoint (`training.resume.checkpoints.agree_on_resume`); rank 0 then moves
-    the unusable checkpoints of `resume_plan` aside and removes the leftovers of killed checkpoint writes.
+    A fit resumes every rank from rank 0's checkpoint (`training.resume.agreement.AgreedResume`).
     """
-
-    resume_plan: ResumePlan | None = None  # set by the CLI: what --ckpt_path last / auto_resume found
 
     def __init__(self, *args, precision: Precision | None = "auto", **kwargs) -> None:
         hw = hardware.detect()
@@ -42,18 +36,6 @@ class Trainer(L.Trainer):
         warning = hardware.bf16_cost_warning(hw, device_type(self.accelerator), self.precision)
         if warning:
             rank_zero_warn(warning)
-
-    def _run(self, model, ckpt_path=None, weights_only=None):
-        # The one point after the processes exist and before any checkpoint is read; Lightning has no hook there.
-        if self.state.fn == TrainerFn.FITTING:
-            if isinstance(self.strategy, ParallelStrategy):
-                self.strategy.setup_environment()  # the process group a step early; _run finds it up and goes on
-            ckpt_path = agree_on_resume(ckpt_path)
-            if self.is_global_zero:
-                plan = self.resume_plan or ResumePlan(ckpt_path)
-                tidy_checkpoint_folders([c.dirpath for c in self.checkpoint_callbacks if getattr(c, "dirpath", None)],
-                                        [p for p in plan.unusable if str(p) != ckpt_path])
-        return super()._run(model, ckpt_path=ckpt_path, weights_only=weights_only)
 
 
 def device_type(accelerator: str | Accelerator) -> str:

@@ -218,7 +218,7 @@ class ImgclsCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         trainer = super().instantiate_trainer(**kwargs)
-        trainer.resume_plan = self.resume_plan  # followed once the ranks agree (Trainer._run)
+        trainer.resume_plan = self.resume_plan  # followed once the ranks agree (AgreedResume._run)
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())  # predictions.csv in the run directory
         return trainer
