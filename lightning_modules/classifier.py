@@ -60,9 +60,9 @@ class ImageClassifier(L.LightningModule):
         loss: any ``nn.Module`` mapping (logits, targets) to a scalar (contract: lightning_modules/losses.py), by
             ``class_path``; null is ``torch.nn.CrossEntropyLoss()``. ``lightning_modules.losses.BinaryCrossEntropy``
             is ResNet strikes back's (with ``target_threshold``). It also gives val/loss and test/loss.
-        batch_size: per-device batch size, linked from the DataModule; used only for lr scaling.
+        batch_size: per-device batch size, linked from the DataModule; used only for lr scaling (``lr_plan``).
         recipe: how the optimizer and the batches are used (lightning_modules.settings.Recipe): ``lr_scaling``
-            (each group's lr is multiplied before the scheduler is built), ``backbone_lr_ratio``,
+            (the lr plan multiplies each group's lr before the scheduler is built), ``backbone_lr_ratio``,
             ``decay_norms_and_biases``, ``mixup_alpha`` and ``cutmix_alpha`` (on the device, on the normalised batch;
             the loss takes the mixed soft targets, and train/acc scores the argmax of the mixed target).
         levers: how the same run computes (lightning_modules.settings.Levers): ``channels_last``, ``compile`` and

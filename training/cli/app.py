@@ -4,8 +4,8 @@
     imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
 
 What the CLI adds that no config file shows (`--print_config` does not list these):
-- the fault guards on every run, after the configured callbacks: `training.resume.ExactResume`, `Preemption` and
-  `NonFiniteLossGuard` (docs/FAULT_TOLERANCE.md);
+- the fault guards on every run, after the configured callbacks: `training.resume.ExactResume`,
+  `LrPlanAcrossResumes`, `Preemption` and `NonFiniteLossGuard` (docs/FAULT_TOLERANCE.md);
 - `training.resume.checkpoints.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a
   CheckpointIO;
 - `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;
