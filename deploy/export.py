@@ -1,7 +1,10 @@
-"""`imgcls export`: a checkpoint to a deployable ONNX or TorchScript model, with its preprocessing written beside it.
+"""`imgcls export`: a checkpoint to a deployable ONNX model or `torch.export` program, with its preprocessing written
+beside it.
 
     imgcls export --ckpt_path runs/quickstart/checkpoints/last.ckpt --format onnx
     -> runs/quickstart/export/model.onnx and model.json (classes, input size, preprocessing steps)
+    imgcls export --ckpt_path runs/quickstart/checkpoints/last.ckpt --format pt2
+    -> runs/quickstart/export/model.pt2 (torch.export.load(path).module() runs it; ExecuTorch and AOTInductor take it)
 
 The exported graph maps a float batch (B, 3, H, W), already preprocessed, to logits (B, num_classes); the batch size
 is dynamic. Preprocessing stays outside the graph (decoders and resizers differ between serving stacks), and
@@ -25,7 +28,7 @@ from lightning_modules.network import without_pretrained_weights
 from training.records.saved_run import SavedRun, checkpoint_file
 from training.resume.checkpoints import UnsafeCheckpointError
 
-FORMATS = ("onnx", "torchscript")
+FORMATS = ("onnx", "pt2")
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +85,16 @@ def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -
     out.mkdir(parents=True, exist_ok=True)
     example = torch.randn(2, 3, pre["image_size"], pre["image_size"])  # (B, 3, H, W)
     net = model.net  # plain nn.Module: no Lightning in the deployed graph
+    batch = torch.export.Dim("batch", min=1, max=4096)
     if fmt == "onnx":
         path = out / "model.onnx"
-        batch = torch.export.Dim("batch", min=1, max=4096)
         program = torch.onnx.export(net, (example,), input_names=["image"], output_names=["logits"],
                                     dynamic_shapes=({0: batch},), verbose=False)
         program.save(str(path))
     else:
-        path = out / "model.pt"
+        path = out / "model.pt2"
         with torch.no_grad():
-            torch.jit.trace(net, example).save(str(path))
+            torch.export.save(torch.export.export(net, (example,), dynamic_shapes=({0: batch},)), path)
     meta = {
         "format": fmt,
         "model_file": path.name,

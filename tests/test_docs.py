@@ -33,7 +33,7 @@ COMMAND = re.compile(r"\b(?:imgcls|training\.cli)\s+([a-z][\w-]*)")
 ROOTS = "|".join((*OURS, *LIBRARIES, USER_MODULE + r"\w+"))
 NAME = re.compile(rf"(?<![\w./-])((?:{ROOTS})(?:\.\w+)+)")
 CLASS_PATH = re.compile(r"class_path[:= ]\s*(\w+(?:\.\w+)+)")
-FILE_SUFFIX = re.compile(r"\.(py|yaml|ipynb|json|md|csv|ckpt|pth|pt|onnx|safetensors)$")
+FILE_SUFFIX = re.compile(r"\.(py|yaml|ipynb|json|md|csv|ckpt|pth|pt|pt2|onnx|safetensors)$")
 KEY = re.compile(r"(?<![\w./-])((?:trainer|model|data|freeze)(?:\.\w+)+)")  # data.sampler, model.recipe.lr_scaling
 IN_FOLDER = "|".join(FOLDERS)
 PATH = re.compile(rf"(?<![\w./<-])((?:{IN_FOLDER})/[\w./*<>-]*[\w*>])")

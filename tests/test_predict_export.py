@@ -1,5 +1,5 @@
 """A checkpoint alone, with no network: validate, predict (predictions.csv, also under DDP), resume, and `imgcls export`
-to ONNX/TorchScript, never downloading the pretrained weights that the run was fine-tuned from."""
+to ONNX and torch.export's program, never downloading the pretrained weights that the run was fine-tuned from."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_predict_under_ddp_gathers_the_ranks_without_a_shared_disk(checkpoint, i
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and "predictions" in p.name and p.parent.name != "rank0"]
 
 
-@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+@pytest.mark.parametrize("fmt", ["onnx", "pt2"])
 def test_export_matches_pytorch(checkpoint, tmp_path, fmt, offline_env):
     run_cli("export", "--ckpt_path", str(checkpoint), "--format", fmt, "--out", str(tmp_path), env=offline_env)
     assert_nothing_downloaded(offline_env)
@@ -178,7 +178,8 @@ def test_export_matches_pytorch(checkpoint, tmp_path, fmt, offline_env):
         session = ort.InferenceSession(str(tmp_path / meta["model_file"]), providers=["CPUExecutionProvider"])
         got = session.run(["logits"], {"image": x.numpy()})[0]
     else:
-        got = torch.jit.load(str(tmp_path / meta["model_file"]))(x).detach().numpy()
+        assert meta["model_file"] == "model.pt2"
+        got = torch.export.load(tmp_path / meta["model_file"]).module()(x).detach().numpy()
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 

@@ -168,7 +168,7 @@ def test_a_checkpoint_evaluates_predicts_and_exports_with_the_users_eval_transfo
     assert [r["path"] for r in rows] == paths
     for row, p in zip(rows, probs, strict=True):
         assert float(row["confidence"]) == pytest.approx(float(p.max()), abs=1e-4)
-    run_cli("export", "--ckpt_path", str(ckpt), "--format", "torchscript", "--out", str(tmp_path / "export"))
+    run_cli("export", "--ckpt_path", str(ckpt), "--format", "pt2", "--out", str(tmp_path / "export"))
     pre = json.loads((tmp_path / "export" / "model.json").read_text())["preprocessing"]
     assert (pre["image_size"], pre["mean"]) == (32, [0.4] * 3) and "SquareResize" in pre["steps"][0]
 

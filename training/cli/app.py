@@ -78,7 +78,7 @@ EXTRA_COMMANDS = {
     "prepare-data": ("datamodules.shards", "convert an image folder into LitData shards (ShardsDataModule)"),
     "sweep": ("training.sweeps.command", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
     "report": ("training.records.report", "write PNG curves and a Markdown summary of a run from its logs"),
-    "export": ("deploy.export", "export a checkpoint to ONNX or TorchScript for deployment"),
+    "export": ("deploy.export", "export a checkpoint to ONNX or a torch.export program"),
     "publish": ("deploy.publish", "write a checkpoint as a model folder in the Hugging Face Hub's layout"),
     "serve": ("deploy.serve", "serve a model folder or checkpoint over HTTP with LitServe (dynamic batching)"),
 }
