@@ -31,7 +31,6 @@ from lightning_modules.pretrained import (
     is_model_folder,
     model_hparams,
     network_spec,
-    read_config,
 )
 from training.records.saved_run import SavedRun, checkpoint_file
 from training.records.secrets import redact_secrets, redact_values
@@ -335,12 +334,6 @@ def _limits_lines(names: list[str], dataset: str, multilabel: bool, scores: dict
     return lines
 
 
-def published_run(folder: str | Path) -> SavedRun:
-    """A model folder as the CLI reads a checkpoint's run: its model hyperparameters (network, classes, contract)."""
-    config = read_config(folder)
-    return SavedRun(Path(folder), model_hparams(config), {}, 0, None, {})
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="imgcls publish", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="the model folder to write (new or empty, unless --overwrite)")
@@ -360,4 +353,4 @@ def main(argv: list[str] | None = None) -> None:
           f"upload it with: hf upload USER/NAME {out}")
 
 
-__all__ = ["publish", "published_run", "is_model_folder", "main"]
+__all__ = ["publish", "is_model_folder", "main"]

@@ -12,9 +12,8 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules import ImageFolderDataModule
-from deploy.publish import published_run
 from lightning_modules.network import net_weights
-from lightning_modules.pretrained import is_model_folder, network_kwargs_of
+from lightning_modules.pretrained import is_model_folder, model_hparams, network_kwargs_of, read_config
 from training.records.run_dir import checkpoint_folders, run_dir
 from training.records.saved_run import (
     NoCheckpointError,
@@ -118,6 +117,12 @@ def _evaluate_as_saved(cli, subcommand: str, saved: SavedRun) -> None:
                              None if _is_default_data(named) else named)
     if update:
         cli.config = cli.parser.parse_object({subcommand: {"data": update}}, cli.config)
+
+
+def published_run(folder: str | Path) -> SavedRun:
+    """A model folder (`imgcls publish`) read as a checkpoint's run: its model hyperparameters (network, classes,
+    contract)."""
+    return SavedRun(Path(folder), model_hparams(read_config(folder)), {}, 0, None, {})
 
 
 def _from_model_folder(cli, subcommand: str, folder: str) -> None:
