@@ -138,7 +138,7 @@ def run_jobs(world: int, jobs: list[dict]) -> list[dict]:
 
 def _fit_two_processes(compression: str, data: str, run: Path, epochs: int) -> Path:
     """`imgcls fit` of the quickstart recipe on 2 gloo processes with one compression mode; its last.ckpt."""
-    cmd = [sys.executable, "-m", "training.cli", "fit", "--config", "configs/quickstart.yaml",
+    cmd = [sys.executable, "-m", "imgcls", "fit", "--config", "configs/quickstart.yaml",
            "--data.root", data, "--model.net.arch", "resnet18", "--data.image_size", "32", "--data.batch_size", "32",
            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
            "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(run),

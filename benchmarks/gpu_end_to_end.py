@@ -13,7 +13,7 @@ resolve on CUDA (`16-mixed`, channels_last, torch.compile), batch 256 at 224 px,
 the network when its parameters start to need gradients), on enough images that every step lies in the first epoch
 (an epoch's first batch waits for one worker to make all of it, which an ImageNet epoch of 5,000 steps pays once; the
 6,000 images of the records before 2026-11-27 22:00 UTC put two epoch starts inside the timed steps). Each path is
-one `imgcls fit` process of its own (`python -m training.cli`), whose `StepClock` callback times every step:
+one `imgcls fit` process of its own (`python -m imgcls`), whose `StepClock` callback times every step:
 
 - img/s over the timed steps, after the warm-up steps (cuDNN autotuning, compilation), and the wall time a step;
 - the GPU's busy fraction: the GPU's time inside the training steps (CUDA events around each), over the wall time;
@@ -186,7 +186,7 @@ def fit(root: Path, out: Path, *, augment_on_device: bool, dry_run: bool, steps:
         args += ["--data.batch_size", str(BATCH), "--data.image_size", "224", "--trainer.accelerator", "gpu"]
         args += ["--data.num_workers", str(workers)] if workers else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "training.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "imgcls", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"imgcls fit exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -39,7 +39,7 @@ QUICK = ["all of the above"]  # checks that every ingredient runs together
 
 def fit(data: Path, run_dir: Path, extra: list[str], seed: int, epochs: int, quick: bool) -> list[dict]:
     """One `imgcls fit`; its validations as {epoch, val_acc, seconds since launch}."""
-    args = [sys.executable, "-m", "training.cli", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
+    args = [sys.executable, "-m", "imgcls", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
             "--data.root", str(data), "--trainer.default_root_dir", str(run_dir), "--seed_everything", str(seed),
             "--model.net.arch", "resnet18", "--trainer.max_epochs", str(epochs),
             "--trainer.enable_progress_bar", "false",

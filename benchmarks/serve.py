@@ -202,7 +202,7 @@ def main(quick: bool = False) -> dict:
     Image.effect_noise((size + size // 7, size + size // 7), 64).convert("RGB").save(image, "PNG")
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(write_folder(Path(tmp) / "model", arch, size))
-        serve = [sys.executable, "-m", "training.cli", "serve", folder, "--accelerator", "auto"]
+        serve = [sys.executable, "-m", "imgcls", "serve", folder, "--accelerator", "auto"]
         candidates = {
             "imgcls serve, max_batch_size 16": serve + ["--max_batch_size", str(largest), "--batch_timeout", "0.01"],
             "imgcls serve, max_batch_size 1": serve + ["--max_batch_size", "1"],

@@ -1,12 +1,12 @@
 """Process start-up: the wall time of a whole `imgcls fit --print_config` process (interpreter start, imports,
-config parsing, exit), with training/cli/startup.py's collector settings against the same command imported as a library.
+config parsing, exit), with imgcls/startup.py's collector settings against the same command imported as a library.
 
     python -m benchmarks.startup [--quick]
 
 Every `imgcls` command, DDP rank and sweep trial pays this once; a short run pays it more than once (a DDP rank
 that Lightning starts runs the command again). The candidates run round-robin, each in a fresh interpreter:
-- baseline: `python -c "from training.cli.app import main; main()" fit ...`, the imports with the collector on;
-- `python -m training.cli fit ...` and the `imgcls` console script: the collector off during the imports, and what
+- baseline: `python -c "from imgcls.commands import main; main()" fit ...`, the imports with the collector on;
+- `python -m imgcls fit ...` and the `imgcls` console script: the collector off during the imports, and what
   they built frozen after them; at the end, the process ends without tearing its heap down (`startup.run`);
 - the same start with the interpreter's teardown at the end: what `startup.run` saves.
 """
@@ -26,13 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["fit", "--config", "configs/quickstart.yaml", "--print_config"]
 BASELINE = "imports as a library, collector on (baseline)"
 TEARDOWN = "imports frozen, the interpreter's teardown at exit"
+STARTED = "python -m imgcls"
 CANDIDATES = {
-    BASELINE: [sys.executable, "-c", "from training.cli.app import main; main()"],
-    "python -m training.cli": [sys.executable, "-m", "training.cli"],
+    BASELINE: [sys.executable, "-c", "from imgcls.commands import main; main()"],
+    STARTED: [sys.executable, "-m", "imgcls"],
     "imgcls (console script)": [str(Path(sys.executable).with_name("imgcls"))],
-    TEARDOWN: [sys.executable, "-c", "from training.cli.startup import begin, done; begin(); "
-               "from training.cli.app import main; done(); main()"],
+    TEARDOWN: [sys.executable, "-c", "from imgcls.startup import begin, done; begin(); "
+               "from imgcls.commands import main; done(); main()"],
 }
+# Records made before the command moved to imgcls/ name STARTED by the module it was then.
+STARTED_BEFORE = "python -m training.cli"
 
 
 def seconds(cmd: list[str]) -> float:
@@ -46,7 +49,7 @@ def seconds(cmd: list[str]) -> float:
 
 def main(quick: bool = False) -> dict:
     reps = 1 if quick else 8
-    names = [BASELINE, "python -m training.cli"] if quick else list(CANDIDATES)
+    names = [BASELINE, STARTED] if quick else list(CANDIDATES)
     times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(reps):
         for name in names:
@@ -70,12 +73,13 @@ def render(r: dict) -> tuple[str, str]:
 
 
 def figures(r: dict) -> dict[str, str]:
-    ratio = quartiles(_ratios(r, "python -m training.cli"))
-    saved = statistics.median(r["times"][BASELINE]) - statistics.median(r["times"]["python -m training.cli"])
+    started = STARTED if STARTED in r["times"] else STARTED_BEFORE
+    ratio = quartiles(_ratios(r, started))
+    saved = statistics.median(r["times"][BASELINE]) - statistics.median(r["times"][started])
     found = {"ratio": f"{ratio['median']:.2f}x", "saved_s": f"{saved:.1f} s",
              "spread": f"min-max {ratio['min']:.2f}-{ratio['max']:.2f} over {ratio['n']} turns"}
     if TEARDOWN in r["times"]:  # records made before the teardown was left out have no such row
-        exits = [t - f for t, f in zip(r["times"][TEARDOWN], r["times"]["python -m training.cli"], strict=True)]
+        exits = [t - f for t, f in zip(r["times"][TEARDOWN], r["times"][started], strict=True)]
         found["exit_saved_s"] = f"{statistics.median(exits):.2f} s"
     return found
 

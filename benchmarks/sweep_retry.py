@@ -41,7 +41,7 @@ LR = "model.optimizer.lr"
 def _sweep_file(folder: Path, digits: Path) -> Path:
     spec = {"name": "retry", "method": "grid", "metric": {"name": "val/acc", "goal": "maximize"},
             "parameters": {LR: {"values": [0.02]}, "trainer.max_epochs": {"value": 1000}},
-            "command": ["${env}", "${interpreter}", "-m", "training.cli", "fit", "--config", "configs/quickstart.yaml",
+            "command": ["${env}", "${interpreter}", "-m", "imgcls", "fit", "--config", "configs/quickstart.yaml",
                         *TINY, "--data.root", str(digits), "--trainer.limit_train_batches", "3",
                         "--trainer.limit_val_batches", "2", "${args}"]}
     path = folder / "retry.yaml"
@@ -78,7 +78,7 @@ def one_death(url: str, folder: Path, sweep: Path, heartbeat: int, grace: int) -
     def start(name: str) -> None:
         with open(logs[name], "w") as sink:
             workers[name] = subprocess.Popen(
-                [sys.executable, "-m", "training.cli", "sweep", "--config", str(sweep), "--out", str(folder / name),
+                [sys.executable, "-m", "imgcls", "sweep", "--config", str(sweep), "--out", str(folder / name),
                  "--heartbeat", str(heartbeat), "--grace", str(grace)],
                 cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -115,7 +115,7 @@ def run_imgcls(data: Path, run_dir: Path, quick: bool, seed: int, variant: str =
     """`imgcls fit` of the quickstart with `variant`'s arguments: its epochs' records, and {process seconds,
     closing validation seconds (None where it did not run)}."""
     clock = run_dir / "clock.jsonl"
-    args = [sys.executable, "-m", "training.cli", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
+    args = [sys.executable, "-m", "imgcls", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
             "--data.root", str(data), "--trainer.default_root_dir", str(run_dir), "--seed_everything", str(seed),
             *variant_args(variant, run_dir)]
     args += ["--trainer.callbacks+=benchmarks.time_to_accuracy.EpochClock"]

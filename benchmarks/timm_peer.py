@@ -81,7 +81,7 @@ def run_timm(peer: Path, data: Path, out: Path, recipe: dict, seed: int, bf16: b
 def run_imgcls(data: Path, out: Path, recipe: dict, seed: int, precision: str | None, env: dict) -> dict:
     """`imgcls fit --config configs/quickstart.yaml` as a user runs it, plus a clock callback that records each
     validation: seconds, CPU seconds, val/acc per epoch and the optimizer steps."""
-    args = [sys.executable, "-m", "training.cli", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
+    args = [sys.executable, "-m", "imgcls", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
             "--data.root", str(data), "--trainer.default_root_dir", str(out), "--seed_everything", str(seed),
             "--trainer.callbacks+=benchmarks.time_to_accuracy.EpochClock"]
     if recipe["arch"] != RECIPE["arch"]:  # quick

@@ -132,7 +132,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `imgcls ARGS...` as a user would, in a process of its own (forked by tests/preloaded.py's server, which
     has done the imports); on failure the assertion shows the output."""
-    cmd = [sys.executable, "-m", "training.cli", *args]
+    cmd = [sys.executable, "-m", "imgcls", *args]
     env = env or cli_env()
     # Forked by a server that has done the imports (tests/preloaded.py), or, where it can't be, a fresh interpreter.
     # Either way in its own session: a timeout then kills the DDP ranks the launcher started too, not only it.
@@ -155,13 +155,13 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
 
 
 def concurrent_python() -> str:
-    """The interpreter for `imgcls` processes a test runs several at once (`[it, "-m", "training.cli", ...]`): the
+    """The interpreter for `imgcls` processes a test runs several at once (`[it, "-m", "imgcls", ...]`): the
     preloaded server's launcher, which has each forked as run_cli's commands are, or the real one where it can't."""
     launcher = preloaded.launcher(ROOT, cli_env()) if sys.executable == _EXECUTABLE else None
     return str(launcher or sys.executable)
 
 
-def torchrun(*options: str, module: str = "training.cli") -> list[str]:
+def torchrun(*options: str, module: str = "imgcls") -> list[str]:
     """`python -m torch.distributed.run OPTIONS -m MODULE`, to which the caller appends MODULE's arguments. Its workers
     are forked as DDP ranks are (torchrun's --no-python, with concurrent_python() as the program), or fresh
     interpreters where they can't be; torchrun itself (the agent) always runs in the real one."""
@@ -177,7 +177,7 @@ def start_cli(*args: str, log: Path, env: dict[str, str] | None = None) -> prelo
     proc = preloaded.command(list(args), ROOT, env, ROOT, cli_env(), log=log) if sys.executable == _EXECUTABLE else None
     if proc is None:
         with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=ROOT, env=env, stdout=sink,
+            proc = subprocess.Popen([sys.executable, "-m", "imgcls", *args], cwd=ROOT, env=env, stdout=sink,
                                     stderr=subprocess.STDOUT, start_new_session=True)
     return proc
 
@@ -223,7 +223,7 @@ def killed_and_resumed(config: Path, folder: Path, *, kill_after: int, resumes_f
 
 
 # What the forkserver of start_ranks (and of the other tests that fork from one) imports once per test process.
-FORKSERVER_PRELOAD = ["training.cli.app"]
+FORKSERVER_PRELOAD = ["imgcls.commands"]
 
 
 def start_ranks(fn, args: tuple, nprocs: int):

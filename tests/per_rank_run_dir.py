@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from training.cli.app import main as cli_main
+from imgcls.commands import main as cli_main
 
 
 def main() -> None:

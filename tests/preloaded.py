@@ -4,17 +4,17 @@ process per command (a "zygote", as Android and Chromium start their apps, or mu
 Every `imgcls` process spends ~4.5 s of CPU importing torch, Lightning, torchmetrics and torchvision before it does
 anything, and the suite starts about seventy of them from its own workers: on two cores that is minutes of a
 suite that must stay within its time budget. `tests.helpers.run_cli` therefore asks this server (one per pytest
-worker) for each command. The forked process is what `python -m training.cli ARGS` is once its imports are done:
+worker) for each command. The forked process is what `python -m imgcls ARGS` is once its imports are done:
 
 - its own pid, in a new session (a timeout kills its DDP ranks with it), its own working directory, environment,
   stdout and stderr (files, read back by the test), and its exit status, a signal's as -N;
-- `sys.argv` and `__main__` as under `python -m training.cli`, so that Lightning's launcher starts the other DDP
+- `sys.argv` and `__main__` as under `python -m imgcls`, so that Lightning's launcher starts the other DDP
   ranks with the same command; the `sys.executable` of that command is LAUNCHER, which has the server fork each
   rank, and each trial of `imgcls sweep`, as well (with the launcher's stdin, stdout, stderr and environment), stands
   in for it (its exit status, the signals sent to it) and takes it along when it dies;
-- the imports done with the collector off and then frozen, as training/cli/startup.py does them;
+- the imports done with the collector off and then frozen, as imgcls/startup.py does them;
 - the random generators reseeded from the OS, as a fresh interpreter's are (a fork would share the server's);
-- it exits as the process it stands for exits (an `imgcls` command through training.cli.startup.run: exit functions
+- it exits as the process it stands for exits (an `imgcls` command through imgcls.startup.run: exit functions
   run, streams flushed, its heap left to the OS), or dies of its signal.
 
 What differs: the imports ran once, in an environment the test's may not match where the libraries read it at import
@@ -61,24 +61,24 @@ IMPORTED = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP
 # Where lightning.fabric.utilities.rank_zero looks for the process's rank on import, in its order.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 # The `python -m MODULE` processes a command starts that the server forks too: DDP ranks, sweep trials (which
-# start DDP ranks of their own with `-m training.sweeps.trial`), torchrun's workers (tests.helpers.torchrun), and
+# start DDP ranks of their own with `-m imgcls.trial`), torchrun's workers (tests.helpers.torchrun), and
 # `make gpu-check --dry-run` (whose imgcls fits are then forked too) and the benchmarks' helper processes; each
 # module's entry once its imports are done.
-ENTRIES = {"training.cli.__main__": "training.cli.app:main", "training.sweeps.trial": "training.sweeps.trial:main",
+ENTRIES = {"imgcls.__main__": "imgcls.commands:main", "imgcls.trial": "training.sweeps.trial:main",
            "tests.per_rank_run_dir": "tests.per_rank_run_dir:main", "benchmarks.gpu_check": "benchmarks.gpu_check:main",
            "benchmarks.plain_loop": "benchmarks.plain_loop:main", "benchmarks.serve": "benchmarks.serve:cli"}
-# The ones whose `python -m` run ends through training.cli.startup.run, as an imgcls process's does.
-STARTED = ("training.cli.__main__", "training.sweeps.trial")
-MODULES = ("training.cli", *ENTRIES)  # `-m training.cli` (a user, a test), `-m training.cli.__main__` (Lightning)
+# The ones whose `python -m` run ends through imgcls.startup.run, as an imgcls process's does.
+STARTED = ("imgcls.__main__", "imgcls.trial")
+MODULES = ("imgcls", *ENTRIES)  # `-m imgcls` (a user, a test), `-m imgcls.__main__` (Lightning)
 
 
 def serve() -> None:
-    """Import the CLI as `python -m training.cli` does, then answer requests until stdin closes: the test's commands on
+    """Import the CLI as `python -m imgcls` does, then answer requests until stdin closes: the test's commands on
     stdin, and on a socket the DDP ranks that Lightning's launcher starts from a command (RANKS)."""
-    from training.cli.startup import begin, done
+    from imgcls.startup import begin, done
 
     begin()
-    import training.cli.app  # noqa: F401
+    import imgcls.commands  # noqa: F401
 
     done()
     # The protocol moves off fds 0 and 1, which each forked command points at its own files.
@@ -170,8 +170,8 @@ def _send(sock: socket.socket, message: dict) -> None:
         pass
 
 
-# What Lightning's launcher runs for each other DDP rank: `sys.executable -m training.cli.__main__ ARGS` with the rank's
-# environment (and `imgcls sweep` for each trial: `sys.executable -m training.sweeps.trial ARGS`). In a forked command
+# What Lightning's launcher runs for each other DDP rank: `sys.executable -m imgcls.__main__ ARGS` with the rank's
+# environment (and `imgcls sweep` for each trial: `sys.executable -m imgcls.trial ARGS`). In a forked command
 # sys.executable is this small script, which asks the server to fork the process, as it forked the command, and stands
 # in for it: its exit status (a signal's as the same signal) and the signals it gets go through it. Anything else it
 # is asked to run (a compile worker, a spawned loader), and a process whose environment the server's imports do not
@@ -244,7 +244,7 @@ def _fork_rank(launched: socket.socket, launcher: Path, server_fds: tuple[int, .
 
 
 def _command(request: dict, launcher: Path) -> None:
-    """In the forked child: become `python -m training.cli ARGS` in the request's session, folder and environment."""
+    """In the forked child: become `python -m imgcls ARGS` in the request's session, folder and environment."""
     opened: dict[str, int] = {}  # one file open once, where stdout and stderr both go to it
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         if path not in opened:
@@ -270,7 +270,7 @@ def _become(request: dict, launcher: Path) -> None:
     rank_zero_only.rank = int(rank)
     # __main__ as `python -m MODULE` leaves it (runpy): the spec of the module it ran, a package's __main__, which
     # Lightning's launcher reads for the ranks' command and a spawned process (a server's workers) for what to import.
-    spec = importlib.util.find_spec(request.get("module", "training.cli"))
+    spec = importlib.util.find_spec(request.get("module", "imgcls"))
     if spec.submodule_search_locations is not None:
         spec = importlib.util.find_spec(f"{spec.name}.__main__")
     main = types.ModuleType("__main__")
@@ -282,7 +282,7 @@ def _become(request: dict, launcher: Path) -> None:
     module, _, function = request.get("entry", ENTRIES[spec.name]).partition(":")
     entry = getattr(importlib.import_module(module), function)
     if spec.name in STARTED:
-        from training.cli.startup import run
+        from imgcls.startup import run
 
         run(entry)  # its end as the process's: exit functions, streams flushed, no teardown of the heap
     else:
@@ -384,7 +384,7 @@ def _server(root: Path, server_env: dict[str, str]) -> Server:
 
 
 def launcher(root: Path, server_env: dict[str, str]) -> Path | None:
-    """An interpreter for a test's own processes, several at once if need be: `LAUNCHER -m training.cli ARGS` is forked
+    """An interpreter for a test's own processes, several at once if need be: `LAUNCHER -m imgcls ARGS` is forked
     by this process's server (as a DDP rank is), anything else runs in the real interpreter; None where every process
     must start a fresh interpreter (IMGCLS_TEST_FRESH_INTERPRETERS=1)."""
     if os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS") == "1":
@@ -393,7 +393,7 @@ def launcher(root: Path, server_env: dict[str, str]) -> Path | None:
 
 
 def command(args: list[str], cwd: Path, env: dict[str, str], root: Path, server_env: dict[str, str],
-            entry: str = "training.cli.app:main", log: Path | None = None) -> Command | None:
+            entry: str = "imgcls.commands:main", log: Path | None = None) -> Command | None:
     """`args` run by this process's server, started on first use; None where a fresh interpreter must run them."""
     if "1" in (os.environ.get("IMGCLS_TEST_FRESH_INTERPRETERS"), env.get("IMGCLS_TEST_FRESH_INTERPRETERS")) \
             or _imported(env) != _imported({**server_env, "OMP_NUM_THREADS": THREADS}):

@@ -50,14 +50,14 @@ def test_an_announcement_reaches_caplog_whatever_ran_before_it(tmp_path):
 
 def test_an_imgcls_process_prints_each_announcement_once_even_with_logging_configured_first():
     """Lightning leaves its lines to the root logger's handlers where it finds one on import (here basicConfig's, as a
-    sitecustomize may set up), and its `lightning` logger prints each again as "INFO: ...". training/cli/startup.py
+    sitecustomize may set up), and its `lightning` logger prints each again as "INFO: ...". imgcls/startup.py
     prints them as a fresh process does: bare, once."""
     code = textwrap.dedent('''
         import logging
         logging.basicConfig()
         import lightning.pytorch
         from lightning.pytorch.utilities import rank_zero_info
-        from training.cli.startup import console
+        from imgcls.startup import console
         console()
         rank_zero_info("precision: 32-true (why)")
     ''')

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.helpers import ROOT
 
-PACKAGES = ("core", "datamodules", "lightning_modules", "training", "deploy")
+PACKAGES = ("core", "datamodules", "lightning_modules", "training", "deploy", "imgcls")
 
 
 def allowed_arrows() -> dict[str, set[str]]:

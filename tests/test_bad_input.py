@@ -18,9 +18,9 @@ from PIL import Image
 import datamodules.bad_images as bad_images
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import find_bad_images, image_problem
+from imgcls.commands import main
 from lightning_modules import BackboneWithHead, ImageClassifier
 from tests.helpers import CONFIGS, TINY, TINY_ARCH, make_image_folder, run_cli
-from training.cli.app import main
 
 
 def _truncated_jpeg(path: Path) -> Path:

@@ -43,7 +43,7 @@ def _committed() -> dict:
 
 @pytest.mark.slow  # every benchmark but the GPU check's (the next test), shrunk: ~1.5 min on 2 cores
 def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
-    # The sections' `python -m training.cli` processes (fits, servers, sweep workers and their trials) are forked by
+    # The sections' `python -m imgcls` processes (fits, servers, sweep workers and their trials) are forked by
     # the preloaded server (tests/preloaded.py): its launcher is their interpreter; anything else runs the real one.
     monkeypatch.setattr(sys, "executable", concurrent_python())
     with contextlib.suppress(pytest.skip.Exception):  # under CI=true a server that cannot be had fails the test
@@ -67,7 +67,7 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
     tables = _tables(text)
 
     startup = tables["Process start-up"]
-    assert [r[0] for r in startup[1:]] == [startup_bench.BASELINE, "python -m training.cli"]
+    assert [r[0] for r in startup[1:]] == [startup_bench.BASELINE, startup_bench.STARTED]
     assert _num(startup[1][2]) == 1.0 and all(_num(r[1]) > 0 for r in startup[1:])
 
     pipeline = tables["Input pipeline"]

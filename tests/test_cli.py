@@ -15,8 +15,9 @@ import yaml
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelSummary
 
 from core import hardware
+from imgcls.commands import EXTRA_COMMANDS, main
 from tests.helpers import CONFIGS, TINY, cli_env, make_image_folder, run_cli
-from training.cli.app import cli_main, main
+from training.cli.app import cli_main
 
 QUIET = ["--trainer.enable_model_summary", "false"]
 
@@ -69,7 +70,7 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "predict", "demo-data"):
+    for command in ("fit", "validate", "test", "predict", *EXTRA_COMMANDS):
         assert command in out
 
 
@@ -255,8 +256,8 @@ def test_the_compile_lever_runs_a_compiled_step(tmp_path, digits_root):
 STARTUP_PROBE = """
 import gc, json, os, runpy, sys
 import optuna
-from training.cli import startup
-# A sweep's trial process reads its trial from the study (training.sweeps.trial): one, asked of a journal file.
+from imgcls import startup
+# A sweep's trial process reads its trial from the study (training/sweeps/trial.py): one, asked of a journal file.
 url = "journal:///" + os.path.join(sys.argv[1], "study.journal")
 from training.sweeps.trial import open_storage
 optuna.create_study(study_name="probe", storage=open_storage(url), direction="maximize").ask()
@@ -272,11 +273,12 @@ def counted_done():  # the collections run between begin and done: while the imp
     print(f"collections while importing: {collections() - started.pop()}", file=sys.stderr)
     done()
 startup.begin, startup.done = counted_begin, counted_done
-for entry in ("python -m training.cli", "imgcls", "python -m training.sweeps.trial"):
+for entry in ("python -m imgcls", "imgcls", "python -m imgcls.trial"):
     gc.unfreeze()
     try:
-        if entry == "imgcls":
-            startup.main()
+        if entry == "imgcls":  # the console script
+            from imgcls.__main__ import main
+            main()
         else:
             runpy.run_module(entry.split()[-1], run_name="__main__")
     except SystemExit as stop:
@@ -286,9 +288,9 @@ for entry in ("python -m training.cli", "imgcls", "python -m training.sweeps.tri
 
 
 def test_every_entry_point_freezes_its_imports_and_runs_with_the_collector_on(tmp_path):
-    """`imgcls`, `python -m training.cli` and a sweep's trial process import with the cyclic collector off (no
+    """`imgcls`, `python -m imgcls` and a sweep's trial process import with the cyclic collector off (no
     collection runs), freeze what the imports built, and run the command with the collector back on
-    (training/cli/startup.py). The probe runs each entry in one fresh interpreter, so this process's objects stay
+    (imgcls/startup.py). The probe runs each entry in one fresh interpreter, so this process's objects stay
     unfrozen."""
     import subprocess
     import sys
@@ -298,7 +300,7 @@ def test_every_entry_point_freezes_its_imports_and_runs_with_the_collector_on(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("trainer:") == 3  # each entry ran the command
     found = dict(line.split(": ", 1) for line in proc.stderr.splitlines() if line.startswith(("python -m", "imgcls:")))
-    assert set(found) == {"python -m training.cli", "imgcls", "python -m training.sweeps.trial"}, proc.stderr[-3000:]
+    assert set(found) == {"python -m imgcls", "imgcls", "python -m imgcls.trial"}, proc.stderr[-3000:]
     # Each entry's imports ran no collection (a first import of torch and Lightning runs dozens with it on).
     assert [line for line in proc.stderr.splitlines() if line.startswith("collections while importing")] == \
         ["collections while importing: 0"] * 3, proc.stderr[-3000:]
@@ -310,7 +312,7 @@ def test_every_entry_point_freezes_its_imports_and_runs_with_the_collector_on(tm
 EXIT_PROBE = """
 import atexit, sys, threading, time
 from pathlib import Path
-from training.cli import startup
+from imgcls import startup
 
 out, how = Path(sys.argv[1]), sys.argv[2]
 

@@ -376,12 +376,12 @@ def test_two_process_powersgd_fit_ends_its_process_groups_and_exits_0(tmp_path):
     And the issue's command exits 0 without the abort: the production config's strategy with PowerSGD, 3 steps,
     which end the fit inside its first epoch (5 batches a rank), so that no validation stands between that broadcast
     and the exit. Started with pipes (its ranks forked by the preloaded server through its launcher, each exiting
-    as a fresh one does: training.cli.startup.run), not by run_cli, whose output files are read when rank 0
+    as a fresh one does: imgcls.startup.run), not by run_cli, whose output files are read when rank 0
     exits: the output then holds rank 1's to its end, and the exit code is rank 0's, a scheduler's."""
     root = make_image_folder(tmp_path / "images", {str(c): 16 for c in range(10)}, splits=("train",), size=32)
     make_image_folder(root, {str(c): 2 for c in range(10)}, splits=("val",), size=32, seed=1)
     run, out = tmp_path / "run", tmp_path / "probe"
-    args = [concurrent_python(), "-m", "training.cli", "fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), *TINY,
+    args = [concurrent_python(), "-m", "imgcls", "fit", "--config", str(CONFIGS / "imagenet_ddp8.yaml"), *TINY,
             "--model.net.weights", "null", "--data.root", str(root), "--trainer.devices", "2",
             "--trainer.strategy.init_args.compression", "powersgd", "--trainer.max_steps", "3",
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",

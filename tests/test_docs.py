@@ -20,7 +20,7 @@ import pytest
 from benchmarks import figures
 from tests.helpers import ROOT
 
-OURS = ("core", "datamodules", "lightning_modules", "training", "deploy", "benchmarks", "tests")
+OURS = ("core", "datamodules", "lightning_modules", "training", "deploy", "imgcls", "benchmarks", "tests")
 LIBRARIES = ("torch", "torchvision", "lightning", "timm")  # whose classes the configs name by class_path
 FOLDERS = (*OURS, "configs", "notebooks", "docs")
 # The user's own module of an example (`my_nets.SmallGeMNet`, `my_nets.py`): its classes are tests/user_plugins.py's.
@@ -29,7 +29,7 @@ PLUGINS = "tests.user_plugins"
 
 DOTTED_FLAG = re.compile(r"(?<![\w-])--([A-Za-z_]\w*(?:\.\w+)+)")
 PLAIN_FLAG = re.compile(r"(?<![\w-])--([A-Za-z_][\w-]*)(?![\w.])")
-COMMAND = re.compile(r"\b(?:imgcls|training\.cli)\s+([a-z][\w-]*)")
+COMMAND = re.compile(r"\bimgcls\s+([a-z][\w-]*)")
 ROOTS = "|".join((*OURS, *LIBRARIES, USER_MODULE + r"\w+"))
 NAME = re.compile(rf"(?<![\w./-])((?:{ROOTS})(?:\.\w+)+)")
 CLASS_PATH = re.compile(r"class_path[:= ]\s*(\w+(?:\.\w+)+)")
@@ -271,12 +271,12 @@ def has_key(config, key: str) -> bool:
 @cache
 def options(command: str) -> frozenset[str]:
     """The option strings `imgcls COMMAND --help` lists (none for a command imgcls does not have)."""
-    from training.cli.app import EXTRA_COMMANDS
+    from imgcls.commands import EXTRA_COMMANDS, main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         if command in EXTRA_COMMANDS:
-            importlib.import_module(EXTRA_COMMANDS[command][0]).main(["--help"])
+            main([command, "--help"])
         elif command in ("fit", "validate", "test", "predict"):
             parser().parse_args([command, "--help"])
     return frozenset(re.findall(r"(?<![\w-])--([\w.-]+)", out.getvalue()))

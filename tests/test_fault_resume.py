@@ -197,7 +197,7 @@ def _gone(pid: int) -> bool:
 def test_run_cli_timeout_kills_the_processes_the_command_started(tmp_path, monkeypatch):
     """A hung DDP run must not outlive its test: on a timeout, run_cli kills the launcher's whole process group."""
     child_pid = tmp_path / "child.pid"
-    launcher = tmp_path / "launcher.sh"  # stands in for `python -m training.cli`: starts a "rank", waits on it
+    launcher = tmp_path / "launcher.sh"  # stands in for `python -m imgcls`: starts a "rank", waits on it
     launcher.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {child_pid}\nwait\n")
     launcher.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(launcher))
@@ -294,7 +294,7 @@ def test_ddp_rank_lost_mid_step_peer_exits_within_timeout(tmp_path, data, sig, e
             f"--trainer.callbacks.sig={int(sig)}", "--trainer.callbacks.stamp", str(stamp)]
     port = str(free_port())
     python = concurrent_python()
-    procs = [subprocess.Popen([python, "-m", "training.cli", *args], cwd=ROOT,
+    procs = [subprocess.Popen([python, "-m", "imgcls", *args], cwd=ROOT,
                               env=cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for node in (0, 1)]

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "datamodules", "lightning_modules", "training", "deploy", "benchmarks")
+PACKAGES = ("core", "datamodules", "lightning_modules", "training", "deploy", "imgcls", "benchmarks")
 MAX_PRIVATE_NAMES = 15
 
 # name -> (where it is used, why no public way exists)
@@ -101,7 +101,7 @@ NAME_ARGUMENT = ("getattr", "setattr", "hasattr", "delattr")
 
 # Names with a leading underscore that their library documents as public: not private, not fenced.
 PUBLIC = {"_exit": "os._exit, in the os module's reference (Process Management): ends the process without cleanup; "
-                   "training/cli/startup.py ends a finished command's process with it"}
+                   "imgcls/startup.py ends a finished command's process with it"}
 
 
 def _private(name: str) -> bool:

@@ -1,5 +1,5 @@
 """The preloaded `imgcls` server of the tests (tests/preloaded.py): a command it forks is the process a fresh
-`python -m training.cli` would be, and trains to the same weights."""
+`python -m imgcls` would be, and trains to the same weights."""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def test_a_forked_command_is_its_own_process_as_python_m_would_start_it(tmp_path
     assert first["pid"] != os.getpid() and first["session"] == first["pid"]  # its own session: killpg reaches its ranks
     assert first["cwd"] == str(tmp_path) and second["cwd"] == str(ROOT)
     assert first["argv"][1:] == ["fit", "--x"]
-    assert first["argv"][0].endswith(str(Path("training", "cli", "__main__.py")))
-    # runpy's __main__ of `-m training.cli`: Lightning's launcher starts the other ranks with its name, and a spawned
+    assert first["argv"][0].endswith(str(Path("imgcls", "__main__.py")))
+    # runpy's __main__ of `-m imgcls`: Lightning's launcher starts the other ranks with its name, and a spawned
     # process (a server's workers) does not run it again
-    assert first["main"] == "training.cli.__main__"
+    assert first["main"] == "imgcls.__main__"
     assert (first["marker"], second["marker"]) == ("one", "two")
     # Python's and NumPy's generators reseeded, as a fresh interpreter's are, not left in the server's state
     assert all(a != b for a, b in zip(first["random"], second["random"], strict=True))
@@ -144,17 +144,19 @@ def test_a_fit_forked_by_the_server_equals_one_in_a_fresh_interpreter(tmp_path, 
 
 
 def rank_of_its_own() -> None:
-    """A command's entry point: starts DDP rank 1 as Lightning's launcher does (`sys.executable -m training.cli ARGS`,
+    """A command's entry point: starts DDP rank 1 as Lightning's launcher does (`sys.executable -m imgcls ARGS`,
     the rank's environment), which waits for a rank 0 that never comes, and waits for it."""
     env = dict(os.environ, LOCAL_RANK="1", NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    subprocess.Popen([sys.executable, "-m", "training.cli", *sys.argv[1:]], env=env).wait()
+    subprocess.Popen([sys.executable, "-m", "imgcls", *sys.argv[1:]], env=env).wait()
 
 
 def trial_of_its_own() -> None:
-    """A command's entry point: starts a sweep trial as `imgcls sweep` does (`sys.executable -m training.sweeps.trial
-    fit ...`), here without the sweep's $IMGCLS_SWEEP_TRIAL, and exits with its status."""
+    """A command's entry point: starts a sweep trial as `imgcls sweep` does (`sys.executable` and the launcher that
+    imgcls hands the sweep, `fit ...`), here without the sweep's $IMGCLS_SWEEP_TRIAL, and exits with its status."""
+    from imgcls.commands import TRIAL_LAUNCHER
+
     env = {k: v for k, v in os.environ.items() if k != "IMGCLS_SWEEP_TRIAL"}
-    sys.exit(subprocess.call([sys.executable, "-m", "training.sweeps.trial", "fit", "--print_config"], env=env))
+    sys.exit(subprocess.call([sys.executable, *TRIAL_LAUNCHER, "fit", "--print_config"], env=env))
 
 
 def test_a_sweep_trial_is_forked_by_the_server_and_runs_its_modules_main(tmp_path):
@@ -162,7 +164,7 @@ def test_a_sweep_trial_is_forked_by_the_server_and_runs_its_modules_main(tmp_pat
                                 entry="tests.test_preloaded:trial_of_its_own")
     _, err = command.communicate(timeout=60)
     assert command.ranks == 1  # forked by the server, not started as a fresh interpreter
-    # training.sweeps.trial's main ran: it reads the sweep's spec before anything else
+    # training.sweeps.trial's main ran (imgcls.trial's command): it reads the sweep's spec before anything else
     assert command.returncode == 1 and "KeyError: 'IMGCLS_SWEEP_TRIAL'" in err, err[-2000:]
 
 

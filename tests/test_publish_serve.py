@@ -158,7 +158,7 @@ def serving(model: Path, log: Path, *args: str):
     port = free_port()
     env = {k: v for k, v in cli_env(IMGCLS_TEST_SERVE=str(port)).items() if k not in SPIN_SETTINGS}
     with open(log, "w") as out:
-        proc = subprocess.Popen([concurrent_python(), "-m", "training.cli", "serve", str(model), "--port", str(port),
+        proc = subprocess.Popen([concurrent_python(), "-m", "imgcls", "serve", str(model), "--port", str(port),
                                  *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"

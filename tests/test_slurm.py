@@ -125,7 +125,7 @@ class Cluster:
             # The job's `imgcls` (slurm.sbatch's `srun imgcls fit`) has the preloaded server fork each task, as it
             # forks a DDP rank (tests/preloaded.py); the task's signals and exit code go through its launcher.
             (folder / "bin").mkdir()
-            (folder / "bin" / "imgcls").write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -m training.cli "$@"\n')
+            (folder / "bin" / "imgcls").write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -m imgcls "$@"\n')
             (folder / "bin" / "imgcls").chmod(0o755)
             bin_.insert(0, str(folder / "bin"))
         self.env.update(SLURM_CONF=str(self.conf), PATH=os.pathsep.join(bin_))

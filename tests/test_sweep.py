@@ -23,10 +23,11 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from imgcls.commands import main as imgcls
 from tests.helpers import CONFIGS, ROOT, TINY, run_cli, start_cli, wandb_offline_env, wandb_run_record
 from training.callbacks import ModelCheckpoint
 from training.cli.app import cli_main
-from training.sweeps.command import main as sweep_main
+from training.sweeps.command import main as sweep
 from training.sweeps.command import print_table, remaining, write_best
 from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
 from training.sweeps.trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
@@ -37,11 +38,17 @@ pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalW
 
 SHIPPED = CONFIGS / "sweeps" / "quickstart_lr.yaml"
 LR, WD = "model.optimizer.lr", "model.optimizer.weight_decay"  # the swept keys: init_args of the optimizer
+FAKE_TRIAL = ("-m", "tests.sweep_fake_trial")  # the launcher of a trial that trains nothing (tests/sweep_fake_trial.py)
+
+
+def sweep_main(argv: list[str]) -> None:
+    """`imgcls sweep ARGV` in this process: the command on top hands the sweep its trial launcher."""
+    imgcls(["sweep", *argv])
 
 
 def sweep_command(digits_root: Path, *overlays: Path) -> list[str]:
     """A trial command of the quickstart shrunk to seconds, with config overlays (loggers) after it."""
-    return ["${env}", "${interpreter}", "-m", "training.cli", "fit", "--config", str(CONFIGS / "quickstart.yaml"),
+    return ["${env}", "${interpreter}", "-m", "imgcls", "fit", "--config", str(CONFIGS / "quickstart.yaml"),
             *(arg for overlay in overlays for arg in ("--config", str(overlay))), *TINY,
             "--data.root", str(digits_root),
             "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "${args}"]
@@ -310,10 +317,10 @@ def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_
 
 
 def _fake_trials(monkeypatch, prune: str = "") -> None:
-    """Trials run by tests/sweep_fake_trial.py (no training) and a sweep file taken as parsed."""
+    """Trials run by tests/sweep_fake_trial.py (no training: the sweep is handed FAKE_TRIAL) and a sweep file taken
+    as parsed."""
     # `imgcls fit --print_config` takes seconds
     monkeypatch.setattr("training.sweeps.command.check_keys", lambda sweep: None)
-    monkeypatch.setattr("training.sweeps.trial.TRIAL_MODULE", "tests.sweep_fake_trial")
     monkeypatch.setenv("FAKE_TRIAL_PRUNE", prune)
 
 
@@ -326,7 +333,7 @@ def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypat
                        parameters={LR: {"min": 0.01, "max": 0.1}})
     both_started = threading.Barrier(2, timeout=120)
 
-    def trial_in_memory(trial, sweep, out, url):
+    def trial_in_memory(trial, sweep, out, url, launcher):
         if trial.number < 2:
             both_started.wait()  # each sweep has counted the trials it has to run before either finishes one
         return suggest(trial, sweep)[LR]
@@ -352,7 +359,7 @@ def test_grid_worker_waits_for_a_dead_workers_trial_and_retries_it_once(tmp_path
     path = write_sweep(tmp_path / "grid.yaml", tmp_path, name="dead")
     sweep, url, out = load_sweep(path), f"sqlite:///{tmp_path / 'shared.db'}", tmp_path / "sweep"
 
-    def trial_in_memory(trial, sweep, out, url):
+    def trial_in_memory(trial, sweep, out, url, launcher):
         params = suggest(trial, sweep)
         trial.set_user_attr("run_dir", str(out / f"trial_{trial.number:04d}"))
         trial.set_user_attr("config", yaml.safe_dump(params))
@@ -392,7 +399,8 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
     _fake_trials(monkeypatch, prune="1")
     monkeypatch.setenv("FAKE_TRIAL_MEET", "2")  # the first two overlap however slowly the processes start
     url, out = f"journal:///{tmp_path / 'sweep.journal'}", tmp_path / "sweep"
-    sweep_main(["--config", str(path), "--out", str(out), "--workers", "2", "--seed", "0", "--storage", url])
+    sweep(["--config", str(path), "--out", str(out), "--workers", "2", "--seed", "0", "--storage", url],
+          launcher=FAKE_TRIAL)
     trials = optuna.load_study(study_name="journal2", storage=open_storage(url)).trials
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.COMPLETE]
     first, second = trials[:2]
@@ -455,7 +463,8 @@ import optuna
 from training.sweeps.space import load_sweep
 from training.sweeps.trial import run_trial
 sys.executable = sys.argv[3]
-run_trial(optuna.create_study().ask(), load_sweep(sys.argv[1]), Path(sys.argv[2]), "sqlite:///unused.db")
+run_trial(optuna.create_study().ask(), load_sweep(sys.argv[1]), Path(sys.argv[2]), "sqlite:///unused.db",
+          ("-m", "imgcls.trial"))
 """
 
 

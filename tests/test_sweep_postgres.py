@@ -104,7 +104,7 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
     try:
         study = _wait_for("the study", lambda: _load(url), 120, show)
         _wait_for("worker a's first trial", lambda: trials_of("a", TrialState.COMPLETE), 240, show)
-        workers["b"] = _start_worker([concurrent_python(), "-m", "training.cli", *args("b")], env, logs["b"])
+        workers["b"] = _start_worker([concurrent_python(), "-m", "imgcls", *args("b")], env, logs["b"])
         # Worker a has finished a trial, and the fit of its next one runs (it has written its config.yaml)
         # when it is killed; that trial process dies with it.
         running = _wait_for("worker a in its second trial",

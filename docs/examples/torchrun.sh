@@ -16,6 +16,6 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD:29500" --rdzv-id "imgcls-${RUN_ID:-1}" \
     --max-restarts 3 \
-    -m training.cli fit --config configs/imagenet_ddp8.yaml \
+    -m imgcls fit --config configs/imagenet_ddp8.yaml \
     --data.root "$DATA" --trainer.num_nodes "$NNODES" --trainer.devices "$GPUS" \
     --ckpt_path last

@@ -1,4 +1,5 @@
-"""The `imgcls` command: LightningCLI for ImageClassifier + a data source, plus a few helper commands.
+"""The Trainer commands of `imgcls` (fit, validate, test, predict): LightningCLI for ImageClassifier + a data source, a
+library that the command on top (imgcls/commands.py), a sweep's trial and the tests call.
 
     imgcls fit --config configs/quickstart.yaml
     imgcls validate --config runs/quickstart/config.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
@@ -25,7 +26,6 @@ summary are in training/records/run_dir.py.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import sys
 import warnings
@@ -59,7 +59,6 @@ from lightning_modules import ImageClassifier
 from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
 from training.callbacks.checkpoint import names_subclass, one_run_checkpoint
-from training.cli.errors import exit_code
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
 from training.cli.parse_errors import OneLineErrorParser
@@ -71,17 +70,6 @@ from training.records.saved_run import SavedRun, explicit_keys, set_by_user
 from training.resume import fault_callbacks
 from training.resume.checkpoints import AtomicCheckpointIO, ResumePlan
 from training.trainer import Trainer
-
-# Commands that are not Trainer entry points; each is a `main(argv)` in its own module (imported lazily).
-EXTRA_COMMANDS = {
-    "demo-data": ("datamodules.demo", "write the scikit-learn digits as an image-folder tree"),
-    "prepare-data": ("datamodules.shards", "convert an image folder into LitData shards (ShardsDataModule)"),
-    "sweep": ("training.sweeps.command", "run a config-file hyperparameter sweep (W&B sweep schema) with Optuna"),
-    "report": ("training.records.report", "write PNG curves and a Markdown summary of a run from its logs"),
-    "export": ("deploy.export", "export a checkpoint to ONNX or a torch.export program"),
-    "publish": ("deploy.publish", "write a checkpoint as a model folder in the Hugging Face Hub's layout"),
-    "serve": ("deploy.serve", "serve a model folder or checkpoint over HTTP with LitServe (dynamic batching)"),
-}
 
 DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__name__}"
 # The shipped data sources that a config may name by their class name alone (`data.class_path: CsvDataModule`): the
@@ -282,9 +270,9 @@ def asks_for_help(args: list[str]) -> bool:
                for arg, follows in itertools.pairwise([*args, ""]))
 
 
-def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None) -> ImgclsCLI:
-    """Build and run the LightningCLI; `args` None reads sys.argv. Returns the CLI (trainer, model, datamodule)."""
-    epilog = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, text) in EXTRA_COMMANDS.items())
+def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None, epilog: str = "") -> ImgclsCLI:
+    """Build and run the LightningCLI; `args` None reads sys.argv; `epilog` ends its --help (the other commands).
+    Returns the CLI (trainer, model, datamodule)."""
     try:
         cli = ImgclsCLI(
             ImageClassifier,
@@ -310,17 +298,3 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
     destroy_process_groups()
     return cli
 
-
-def main(argv: list[str] | None = None) -> None:
-    """The `imgcls` console script."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in EXTRA_COMMANDS:
-        importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:])
-        return
-    try:
-        cli_main(argv)  # None: LightningCLI reads sys.argv itself
-    except Exception as err:
-        code = exit_code(err)  # a one-line message printed for the user's mistakes and lost peers; None: re-raise
-        if code is None:
-            raise
-        sys.exit(code)

@@ -23,7 +23,7 @@ import os
 import sys
 
 # TensorBoard's writer, which Lightning imports on first use and jsonargparse as soon as it reads the logger's
-# **kwargs: imported here, with the start-up's other imports (frozen, training/cli/startup.py), instead of in the
+# **kwargs: imported here, with the start-up's other imports (frozen, imgcls/startup.py), instead of in the
 # middle of every fit's parse (~0.15 s). Every shipped config logs to TensorBoard.
 import torch.utils.tensorboard  # noqa: F401
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger

@@ -31,6 +31,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -251,8 +252,9 @@ def _retry_failed(held: contextlib.ExitStack, url: str, storage, name: str) -> i
 
 
 def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers: int, seed: int | None,
-              heartbeat: int, grace: int, held: contextlib.ExitStack) -> None:
-    """Retry what failed, run the trials left, print the table and write best.yaml."""
+              heartbeat: int, grace: int, held: contextlib.ExitStack, launcher: Sequence[str]) -> None:
+    """Retry what failed, run the trials left (each `[sys.executable, *launcher, "fit", ...]`), print the table and
+    write best.yaml."""
     import optuna
     from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
@@ -276,7 +278,7 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
     waiting = False
     while True:
         if todo > 0:
-            study.optimize(lambda trial: run_trial(trial, sweep, out, url), n_trials=todo, n_jobs=workers,
+            study.optimize(lambda trial: run_trial(trial, sweep, out, url, launcher), n_trials=todo, n_jobs=workers,
                            catch=(TrialFailed,), callbacks=stop)
             before, todo, waiting = todo, remaining(study, sweep, budget), False
             if todo >= before or sweep.method != "grid":
@@ -297,7 +299,9 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
     print(f"best config: {best}  (rerun: imgcls fit --config {best})" if best else "no trial finished")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, launcher: Sequence[str]) -> None:
+    """`imgcls sweep ARGV`; `launcher`, what starts a trial's `imgcls fit` process after `sys.executable` (handed
+    down by the command on top: `-m imgcls.trial`)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     sweep, budget = _load(args)
     out = Path(args.out or Path("runs/sweeps") / sweep.name).resolve()
@@ -308,8 +312,4 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: another `imgcls sweep` runs in {out}; use --workers N to run trials in "
                              "parallel, or a shared --storage URL for workers on other machines")
         run_sweep(sweep, out, url, budget=budget, workers=args.workers, seed=args.seed,
-                  heartbeat=args.heartbeat, grace=args.grace, held=held)
-
-
-if __name__ == "__main__":
-    main()
+                  heartbeat=args.heartbeat, grace=args.grace, held=held, launcher=launcher)

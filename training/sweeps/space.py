@@ -140,7 +140,7 @@ def _grid_values(p: dict) -> list[Any]:
 def _fixed_args(command: Any, fail) -> list[str]:
     """The arguments after `fit` in `command:`, without W&B's ${...} macros: base configs and fixed options."""
     if command is None:
-        raise fail("command", "is missing; e.g. [${env}, ${interpreter}, -m, training.cli, fit, --config, "
+        raise fail("command", "is missing; e.g. [${env}, ${interpreter}, -m, imgcls, fit, --config, "
                               "configs/quickstart.yaml, ${args}]")
     if not isinstance(command, list) or "fit" not in command or "${args}" not in command:
         raise fail("command", "must be a list that runs `fit` and ends with ${args}")

@@ -1,7 +1,10 @@
 """One sweep trial: `run_trial` runs it as an `imgcls fit` process, and the callback in that process reports to the
 study.
 
-    python -m training.sweeps.trial fit <the trial's arguments>     # what run_trial starts, $IMGCLS_SWEEP_TRIAL set
+    <sys.executable> <launcher> fit <the trial's arguments>    # what run_trial starts, $IMGCLS_SWEEP_TRIAL set
+
+The launcher is handed down by the command on top: a process that runs `main` below through the start-up. The sweep
+names no room above its own.
 
 Both ends open the study from the same storage URL (`open_storage`): an SQLAlchemy URL, or `journal:///<path>` for an
 Optuna journal file.
@@ -16,13 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from training.sweeps.space import Sweep, make_pruner, suggest, trial_args
 
 STORAGE_ENV_VAR = "IMGCLS_SWEEP_STORAGE"  # the storage URL for `imgcls sweep` and its dashboard, password kept off argv
 TRIAL_ENV_VAR = "IMGCLS_SWEEP_TRIAL"  # JSON handed to a trial process: storage URL, study, trial number, metric, pruner
-TRIAL_MODULE = "training.sweeps.trial"  # the trial process: `<sys.executable> -m TRIAL_MODULE fit <arguments>`
 # optuna-integration's private protocol for a trainer in another process: where it leaves each epoch's metric and its
 # pruning decision (tests/test_internals.py holds these to the integration's own names).
 INTERMEDIATE_KEY, PRUNED_KEY, EPOCH_KEY = "ddp_pl:intermediate_value", "ddp_pl:pruned", "ddp_pl:epoch"
@@ -59,9 +62,10 @@ class TrialFailed(RuntimeError):
     """The trial's `imgcls fit` exited with an error (its log is in the trial folder)."""
 
 
-def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
-    """Run one trial as an `imgcls fit` process in `<out>/trial_NNNN`; its result is the metric of the final
-    validation of its best checkpoint. Raises TrialPruned if the pruner stopped it, TrialFailed if it failed."""
+def run_trial(trial, sweep: Sweep, out: Path, url: str, launcher: Sequence[str]) -> float:
+    """Run one trial as an `imgcls fit` process in `<out>/trial_NNNN`, `[sys.executable, *launcher, "fit", ...]`; its
+    result is the metric of the final validation of its best checkpoint. Raises TrialPruned if the pruner stopped it,
+    TrialFailed if it failed."""
     params = suggest(trial, sweep)
     run_dir = out / f"trial_{trial.number:04d}"
     trial.set_user_attr("run_dir", str(run_dir))
@@ -79,7 +83,7 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str) -> float:
         log.write(f"imgcls fit {' '.join(args)}\n")
         log.flush()
         # sys.executable read at each start, as Lightning's launcher reads it for each DDP rank
-        code = subprocess.call([sys.executable, "-m", TRIAL_MODULE, "fit", *args], env=env, stdout=log,
+        code = subprocess.call([sys.executable, *launcher, "fit", *args], env=env, stdout=log,
                                stderr=subprocess.STDOUT,
                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     if code != 0:
@@ -160,9 +164,3 @@ def main(argv: list[str] | None = None) -> None:
     from training.cli.app import cli_main
 
     cli_main(argv, trainer_defaults={"callbacks": [trial_callback()]})  # None: sys.argv, as `imgcls fit` reads it
-
-
-if __name__ == "__main__":
-    from training.cli.startup import main as start
-
-    start(main)  # its imports frozen and its exit, as every imgcls process's (training/cli/startup.py)

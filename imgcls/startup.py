@@ -25,9 +25,9 @@ stdout and stderr, and ends the process with the command's exit status (`os._exi
 `__del__` that has not run by then does not run. An exception other than SystemExit leaves the command, and the
 process ends the usual way.
 
-`imgcls` (the console script), `python -m training.cli` (__main__.py) and a sweep's trial (`python -m
-training.sweeps.trial`) run `main` here: `begin` and `done` around the imports, then the command through `run`. Code
-that imports `training.cli.app` as a library (tests, notebooks) is left alone.
+`imgcls` (the console script) and `python -m imgcls` (__main__.py), and a sweep's trial (`python -m imgcls.trial`,
+trial.py) go through `start` here: `begin` and `done` around the imports, then the command through `run`. Code that
+imports `imgcls.commands` or `training.cli.app` as a library (tests, notebooks) is left alone.
 """
 
 from __future__ import annotations
@@ -89,15 +89,15 @@ def console() -> None:
             logger.propagate = False
 
 
-def main(entry: Callable[[], object] | None = None) -> None:
-    """The `imgcls` console script; `entry`, another command of an `imgcls` process (a sweep's trial), started the
-    same way."""
+def start(load: Callable[[], Callable[[], object]]) -> None:
+    """Start an imgcls process: `load` imports what its command needs and returns the command, between `begin` and
+    `done`; the command then runs through `run`."""
     begin()
     try:
-        from training.cli.app import main as cli
+        command = load()
     finally:
         done()
-    run(entry or cli)
+    run(command)
 
 
 def run(command: Callable[[], object]) -> None:
