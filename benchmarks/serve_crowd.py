@@ -157,7 +157,7 @@ def serving(folder: Path, log: Path, mark: str, *args: str):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), MARK: mark}
     with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "training.cli", "serve", str(folder), "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "imgcls", "serve", str(folder), "--port", str(port),
                                  "--max_bytes", str(MAX_BYTES), *args], cwd=ROOT, env=env, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
