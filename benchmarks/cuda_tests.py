@@ -41,6 +41,8 @@ NOT_YET_RUN_ON_A_GPU = {
         "hook on an NCCL process group",
     "test_cuda::test_compression_hooks_are_registered_on_nccl_and_train[powersgd]":
         "as its fp16 case",
+    "test_cuda::test_a_batch_copied_on_a_side_stream_equals_the_plain_copy":
+        "added with the GPU end-to-end section's side-stream copy, after the last GPU check",
 }
 
 

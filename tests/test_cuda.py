@@ -100,3 +100,20 @@ def test_a_16_mixed_step_waits_for_the_gpu_only_where_the_progress_bar_loss_is_c
     waited = {batch for batch, n in waits.waits.items() if n}
     assert sorted(waits.waits) == list(range(2, 12))
     assert waited <= {5, 10}, f"batches whose step waited for the GPU: {sorted(waited)}"
+
+
+def test_a_batch_copied_on_a_side_stream_equals_the_plain_copy(digits_root):
+    """benchmarks.gpu_end_to_end's experiment: the batch's host-to-device copy on a stream of its own, issued while
+    the training stream is busy, arrives whole for the training stream's next kernel (which waits for the copy)."""
+    from benchmarks.gpu_end_to_end import SideStreamCopy
+
+    data = SideStreamCopy(root=str(digits_root), batch_size=4, num_workers=0)
+    x = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8).pin_memory()
+    y = torch.arange(64).pin_memory()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # the training stream's queue: a copy on it would wait behind these
+        busy = busy @ busy / 64
+    moved = data.transfer_batch_to_device((x, y), torch.device("cuda"), 0)
+    assert data.copy_stream != torch.cuda.current_stream()
+    assert moved[0].sum(dtype=torch.int64).item() == x.sum(dtype=torch.int64).item()  # read on the training stream
+    assert torch.equal(moved[1].cpu(), y)
