@@ -3,7 +3,6 @@ JPEGs."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import multiprocessing
 import os
@@ -40,11 +39,6 @@ def kernel_limits() -> dict[str, str]:
     return {name: os.environ[name] for name in KERNEL_LIMITS if os.environ.get(name)}
 
 
-def avx2_estimate_env() -> dict[str, str]:
-    """The environment that holds ATen's and oneDNN's kernels alike to AVX2: a process of an AVX2 estimate."""
-    return dict(KERNEL_LIMITS)
-
-
 def estimate_label(limits: dict[str, str]) -> str:
     """How an estimate is named wherever it is shown: the limits it ran under and what it cannot model."""
     return f"an estimate: {', '.join(f'{k}={v}' for k, v in limits.items())}; {NOT_MODELLED}"
@@ -70,6 +64,15 @@ def machine_info() -> dict:
     return {"line": machine(), "cpu": _described(), "cpu_model": hw.cpu_model, "cpu_kind": kind,
             "cpu_flags": {flag: flag in hw.cpu_flags for flag in hardware.CPU_FLAGS}, "cores": hw.cores,
             "cuda": hw.cuda, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def picks(entry: dict) -> str:
+    """What `auto` chooses on the recorded machine, from its recorded flags (a hardware entry or a result's machine)."""
+    hw = hardware.Hardware(entry["cpu_model"], frozenset(f for f, has in entry["cpu_flags"].items() if has),
+                           entry["cores"])
+    precision = hardware.choose_precision(hw, "cpu")[0]
+    layout = "channels_last" if hardware.choose_channels_last(hw, "cpu")[0] else "NCHW"
+    return f"{precision}, {layout}"
 
 
 def auto_cpu_precision() -> str:
@@ -184,16 +187,6 @@ def photo_folder(count: int, *, width: int = 500, height: int = 375, classes: in
 def mean_jpeg_kb(root: Path) -> float:
     sizes = [p.stat().st_size for p in root.glob("train/*/*.jpg")]
     return sum(sizes) / len(sizes) / 1e3
-
-
-def standalone(name: str, doc: str) -> None:
-    """`python -m benchmarks.NAME [--quick]`: `python -m benchmarks.run --only NAME`, which stores its results and
-    renders the figures."""
-    from benchmarks import run
-
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs (kept under runs/)")
-    run.main(parser.parse_args().quick, only=(name,))
 
 
 @contextlib.contextmanager

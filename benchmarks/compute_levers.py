@@ -1,6 +1,6 @@
 """Compute levers: each option's speed-up of a ResNet-50 training step on this machine, at 64 px and 224 px.
 
-    python -m benchmarks.compute_levers [--quick]
+    python -m benchmarks.run --only compute_levers [--quick]
 
 The levers are the model and trainer options a config sets: channels_last (model.levers.channels_last), bf16
 autocast (trainer.precision bf16-mixed; 16-mixed on CUDA), torch.compile (model.levers.compile) and foreach / fused
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved, lap_times, standalone, table
+from benchmarks.common import interleaved, lap_times, table
 from lightning_modules.network import BackboneWithHead
 
 TITLE = "Compute levers"
@@ -116,6 +116,3 @@ def render(results: dict) -> tuple[str, str]:
                   f"batches on the CPU, {results['threads']} threads; speed-up = baseline step time / lever step "
                   "time, medians of interleaved steps")
 
-
-if __name__ == "__main__":
-    standalone("compute_levers", __doc__)

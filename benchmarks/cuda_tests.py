@@ -2,8 +2,8 @@
 overflow, the fp16 and PowerSGD hooks registered on NCCL, the device's auto levers, nvJPEG against the CPU pipeline,
 a step that waits for the GPU only for the progress bar's loss), run on a CUDA device and recorded per test.
 
-    python -m benchmarks.cuda_tests            # on a CUDA machine; skipped without one
-    python -m benchmarks.cuda_tests --quick    # anywhere: collects the same tests without running them
+    python -m benchmarks.run --only cuda_tests            # on a CUDA machine; skipped without one
+    python -m benchmarks.run --only cuda_tests --quick    # anywhere: collects the same tests without running them
 
 CI has no GPU, so these tests are skipped there; this section is how their outcome on a real device is kept. The
 newest full record names every cuda test of the suite by its id (`test_cuda::test_name[param]`), except those in
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import standalone, table
-from benchmarks.figures import RESULTS, load_all, measured
+from benchmarks.common import table
+from benchmarks.records import RESULTS, measured, read_all
 
 TITLE = "CUDA tests"
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def collected() -> list[str]:
 
 def newest_record(results: Path = RESULTS) -> dict | None:
     """The newest full record of this section that ran the tests, on any machine; None where there is none."""
-    records = [r for r in load_all(results).get("cuda_tests", []) if measured(r) and r["mode"] == "full"]
+    records = [r for r in read_all(results).get("cuda_tests", []) if measured(r) and r["mode"] == "full"]
     return max(records, key=lambda r: r["started"], default=None)
 
 
@@ -160,6 +160,3 @@ def figures(r: dict) -> dict[str, str]:
     c = counts(r)
     return {"passed": f"{c.get('passed', 0)} of {len(r['tests'])}"}
 
-
-if __name__ == "__main__":
-    standalone("cuda_tests", __doc__)

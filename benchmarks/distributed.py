@@ -1,9 +1,8 @@
 """Benchmark of DDP gradient compression on CPU (gloo): bytes all-reduced per step, and step time with 1 and 2
 processes.
 
-    python -m benchmarks.distributed            # + 2-process parity on the demo digits (4 x 8 epochs: ~5 min on a
-                                                # quiet 2-core machine)
-    python -m benchmarks.distributed --quick    # ResNet50 bytes, ResNet18 32 px step times (under a minute)
+    python -m benchmarks.run --only distributed            # + 2-process parity on the demo digits
+    python -m benchmarks.run --only distributed --quick    # ResNet50 bytes, ResNet18 32 px step times
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import free_port, run_forked, standalone, table
+from benchmarks.common import free_port, run_forked, table
 from lightning_modules.network import BackboneWithHead
 from training.distributed.strategy import COMPRESSIONS, build_comm_hook
 
@@ -264,6 +263,3 @@ def figures(results: dict) -> dict[str, str]:
         found["parity_table"] = f"\n{parity_table(results['parity'])}\n"
     return found
 
-
-if __name__ == "__main__":
-    standalone("distributed", __doc__)

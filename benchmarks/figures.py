@@ -31,8 +31,10 @@ import json
 import re
 from pathlib import Path
 
+from benchmarks.common import picks
+from benchmarks.records import RESULTS, kind_slug, measured, read_all
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 LEVERS = ROOT / "core" / "measured.json"  # what core/hardware.py quotes when it announces a lever, per CPU kind
 # The sections of docs/PERFORMANCE.md, in order: each a module benchmarks/<name>.py and a file results/<name>.json.
@@ -75,17 +77,6 @@ machine line says so.
 """
 
 
-def machine_slug(machine: dict) -> str:
-    """The folder of a machine's records: its GPU model or CPU kind, CPU model and cores, e.g.
-    `avx2-cpu-amd-epyc-2-cores`, `nvidia-h100-80gb-hbm3-intel-r-xeon-r-processor-16-cores`."""
-    name = f"{machine.get('cuda') or machine['cpu_kind']} {machine['cpu_model']} {machine['cores']} cores"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def measured(record: dict) -> bool:
-    return "skipped" not in record["results"]
-
-
 def method(section: str) -> int:
     """The version of what a section measures (its module's METHOD, 1 where it declares none): raised when a change
     makes the records measured before it measure something else, which then never reach the page."""
@@ -96,27 +87,12 @@ def superseded(record: dict) -> bool:
     return record.get("method", 1) < method(record["section"])
 
 
-def store(record: dict, results: Path = RESULTS) -> Path | None:
-    """Write `record` as its machine's record of its section; None (nothing written) for a skipped run where this
-    section has a measured record on any machine."""
-    section = record["section"]
-    if not measured(record) and any(measured(r) for r in load_all(results).get(section, [])):
-        return None
-    path = results / "machines" / machine_slug(record["machine"]) / f"{section}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return path
-
-
 def load_all(results: Path = RESULTS) -> dict[str, list[dict]]:
     """Section name -> every machine's record of it, primary first (measured before skipped, full before quick,
     newest first), for the sections that have one. Left out: superseded records, and an estimate of a CPU kind
     (`AVX2 CPU estimate`) where that kind measured the section natively."""
-    found: dict[str, list[dict]] = {}
-    for path in sorted((results / "machines").glob("*/*.json")):
-        record = json.loads(path.read_text())
-        if record.get("section") in SECTIONS and not superseded(record):
-            found.setdefault(record["section"], []).append(record)
+    found = {name: [r for r in records if not superseded(r)] for name, records in read_all(results).items()
+             if name in SECTIONS}
     for records in found.values():
         # A section measured natively on the kind an estimate stands in for replaces the estimate.
         native = {r["machine"]["cpu_kind"] for r in records if measured(r) and not r["machine"].get("cuda")}
@@ -124,7 +100,7 @@ def load_all(results: Path = RESULTS) -> dict[str, list[dict]]:
                       or not r["machine"]["cpu_kind"].endswith(" estimate")]
         records.sort(key=lambda r: r["started"], reverse=True)
         records.sort(key=lambda r: (not measured(r), r["mode"] != "full"))
-    return {name: found[name] for name in SECTIONS if name in found}
+    return {name: found[name] for name in SECTIONS if found.get(name)}
 
 
 def load(results: Path = RESULTS) -> dict[str, dict]:
@@ -217,16 +193,9 @@ def performance(all_runs: dict[str, list[dict]]) -> str:
                                                                    for name in SECTIONS)
 
 
-def kind_slug(machine: dict) -> str:
-    """A machine's kind in a marker key: its GPU model, else its CPU kind (`avx2-cpu`, `bf16-cpu`)."""
-    return re.sub(r"[^a-z0-9]+", "-", (machine.get("cuda") or machine["cpu_kind"]).lower()).strip("-")
-
-
 def figures(runs: dict[str, dict | list[dict]]) -> dict[str, str]:
     """Every quotable figure: SECTION.NAME from the section's primary record, and SECTION@KIND.NAME from the newest
     record of a kind of machine (`kind_slug`), for a sentence about that kind whichever machine measured last."""
-    from benchmarks.hardware import picks
-
     def of(run: dict) -> dict[str, str]:
         found = {"cpu": run["machine"]["cpu"], "picks": picks(run["machine"]), "date": run["started"][:10],
                  "took": duration(run["seconds"])}

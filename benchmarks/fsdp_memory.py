@@ -1,8 +1,8 @@
 """Memory per rank of FSDP2 (training.distributed.fsdp) against DDP, on 2 CPU processes (gloo): the bytes of parameters,
 gradients and optimizer state each rank holds after a training step, and how much its resident memory grew at peak.
 
-    python -m benchmarks.fsdp_memory            # resnet50, resnet152, wide_resnet101_2 (a few minutes on 2 cores)
-    python -m benchmarks.fsdp_memory --quick    # resnet18 only, tiny, all in 2 processes: checks that it runs
+    python -m benchmarks.run --only fsdp_memory            # resnet50, resnet152, wide_resnet101_2
+    python -m benchmarks.run --only fsdp_memory --quick    # resnet18 only, tiny: checks that it runs
 
 Each (backbone, strategy) runs in its own 2 processes, forked from a server that imported torch once, so that a
 peak belongs to that run alone. DDP is configured as configs/imagenet_ddp8.yaml (gradients as bucket views, so no
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from benchmarks.common import run_forked, standalone, table
+from benchmarks.common import run_forked, table
 from lightning_modules.network import BackboneWithHead
 from training.distributed.fsdp import shard
 
@@ -188,6 +188,3 @@ def figures(results: dict) -> dict[str, str]:
     return {"memory_table": f"\n{memory_table(results)}\n", "settings": settings_line(results),
             "held_ratio": f"{held('fsdp2') / held('ddp'):.2f}x", "held_arch": arch}
 
-
-if __name__ == "__main__":
-    standalone("fsdp_memory", __doc__)

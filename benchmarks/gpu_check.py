@@ -83,12 +83,12 @@ def check(dry_run: bool, wheels: Path, out: Path | None = None, only: tuple[str,
     install(wheels)
     sys.path.insert(0, str(ROOT))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    from benchmarks import figures, run  # after install(): the project imports jsonargparse and torchdata
+    from benchmarks import records, run  # after install(): the project imports jsonargparse and torchdata
     from benchmarks.common import machine_info
 
     page = out / "PERFORMANCE.md" if dry_run and out is not None else None  # a dry run's page and records beside out
-    results = (page or run.QUICK_DIR / "PERFORMANCE.md").parent / "results" if dry_run else figures.RESULTS
-    folder = results / "machines" / figures.machine_slug(machine_info())
+    results = (page or run.QUICK_DIR / "PERFORMANCE.md").parent / "results" if dry_run else records.RESULTS
+    folder = results / "machines" / records.machine_slug(machine_info())
     failed = []
     for name in only:
         try:

@@ -1,7 +1,7 @@
 """GPU end to end: ResNet-50 training through the real `imgcls fit`, from JPEG files on disk to the optimizer step.
 
-    python -m benchmarks.gpu_end_to_end              # on a CUDA machine; skipped without one
-    python -m benchmarks.gpu_end_to_end --dry-run    # tiny sizes on whatever device there is (what CI checks)
+    python -m benchmarks.run --only gpu_end_to_end                   # on a CUDA machine; skipped without one
+    python -m benchmarks.gpu_check --dry-run --only gpu_end_to_end   # tiny sizes on any device (what CI checks)
 
 Unlike the GPU throughput section (a synthetic batch already on the GPU), every step here goes through the whole
 path: an image folder of photo-sized JPEGs on local disk, the DataModule's loader workers, the host-to-device copy,
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
-from benchmarks.common import photo_folder, standalone, table
+from benchmarks.common import photo_folder, table
 from core.hardware import choose_num_workers, detect
 from datamodules import ImageFolderDataModule
 
@@ -282,9 +282,3 @@ def render(r: dict) -> tuple[str, str]:
 def figures(r: dict) -> dict[str, str]:
     return {name: f"{p['img_s']:,.0f} img/s" for name, p in r["paths"].items()}
 
-
-if __name__ == "__main__":
-    if "--dry-run" in sys.argv[1:]:
-        sys.argv.remove("--dry-run")
-        sys.argv.append("--quick")  # stored under runs/bench-quick/, never over the committed results
-    standalone("gpu_end_to_end", __doc__ + "\n--dry-run: tiny sizes on any device (the same as --quick).")

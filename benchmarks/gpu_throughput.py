@@ -1,6 +1,6 @@
 """GPU throughput: ResNet-50 training images/s and estimated FLOP utilisation on a CUDA device; skips without one.
 
-    python -m benchmarks.gpu_throughput [--quick]
+    python -m benchmarks.run --only gpu_throughput [--quick]
 
 The step is the production recipe's compute: channels_last, fp16 autocast, torch.compile and fused SGD, on a
 synthetic batch already on the GPU and without the fit's GradScaler, normalisation and metrics, so the figure is the
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.common import photo_folder, standalone, table
+from benchmarks.common import photo_folder, table
 from benchmarks.compute_levers import train_step
 from datamodules import ImageFolderDataModule
 
@@ -104,6 +104,3 @@ def render(r: dict) -> tuple[str, str]:
     return body, (f"{r['device']}, {r.get('arch', 'resnet50')} at {r.get('size', 224)} px, batch {r['batch']}, "
                   f"{r['steps']} timed steps, synthetic data on the device")
 
-
-if __name__ == "__main__":
-    standalone("gpu_throughput", __doc__)

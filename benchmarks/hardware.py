@@ -1,6 +1,6 @@
 """Hardware: what this machine's CPU can do, and the quickstart's training step in each precision and memory format.
 
-    python -m benchmarks.hardware [--quick]
+    python -m benchmarks.run --only hardware [--quick]
 
 Each full run stores its machine's record like every section (benchmarks/results/machines/<machine>/hardware.json);
 the section shows every machine stored there, named by its CPU model and flags, so figures from a bf16 CPU and an
@@ -14,8 +14,9 @@ import re
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.common import interleaved, lap_times, machine_info, standalone, table
+from benchmarks.common import interleaved, lap_times, machine_info, picks, table
 from benchmarks.compute_levers import train_step
+from benchmarks.records import measured, read_all
 from benchmarks.time_to_accuracy import RECIPE
 from core import hardware
 
@@ -67,18 +68,8 @@ def slug(entry: dict) -> str:
 
 def stored() -> list[dict]:
     """Every machine's entry, from the section's stored records."""
-    from benchmarks import figures as rendering
-
-    return [entry for record in rendering.load_all().get("hardware", []) for entry in record["results"]["machines"]]
-
-
-def picks(entry: dict) -> str:
-    """What `auto` chooses on the recorded machine, from its recorded flags (a hardware entry or a result's machine)."""
-    hw = hardware.Hardware(entry["cpu_model"], frozenset(f for f, has in entry["cpu_flags"].items() if has),
-                           entry["cores"])
-    precision = hardware.choose_precision(hw, "cpu")[0]
-    layout = "channels_last" if hardware.choose_channels_last(hw, "cpu")[0] else "NCHW"
-    return f"{precision}, {layout}"
+    return [entry for record in read_all().get("hardware", []) if measured(record) and record["mode"] == "full"
+            for entry in record["results"]["machines"]]
 
 
 def table_of(entries: list[dict]) -> str:
@@ -137,6 +128,3 @@ def figures(results: dict) -> dict[str, str]:
     return {"bf16_vs_fp32": f"{speed:.2f}x", "bf16_slowdown": f"{1 / speed:.0f}x",
             "machine": entry["machine"]}
 
-
-if __name__ == "__main__":
-    standalone("hardware", __doc__)

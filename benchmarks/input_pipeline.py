@@ -1,6 +1,6 @@
 """Input pipeline: images/s of the DataModule's training loader against torchvision ImageFolder + PIL + transforms v1.
 
-    python -m benchmarks.input_pipeline [--quick]
+    python -m benchmarks.run --only input_pipeline [--quick]
 
 Data: photo-like 500x375 JPEGs (the mean ImageNet size) written once to the temp folder. Every loader does the
 ImageNet training recipe at 224 px (RandomResizedCrop, horizontal flip, collate); the baseline and the float
@@ -25,7 +25,6 @@ from benchmarks.common import (
     mean_jpeg_kb,
     one_torch_thread,
     photo_folder,
-    standalone,
     table,
     verdict,
 )
@@ -191,6 +190,3 @@ def figures(r: dict) -> dict[str, str]:
     return {"defaults_vs_baseline": f"{t1[BASELINE] / t1[DATAMODULE]:.2f}x",
             "fast_decode_vs_baseline": f"{t1[BASELINE] / t1[FAST_DECODE]:.2f}x"}
 
-
-if __name__ == "__main__":
-    standalone("input_pipeline", __doc__)

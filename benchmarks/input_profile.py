@@ -1,7 +1,7 @@
 """Input pipeline profile: where a training image's CPU time goes, stage by stage, in the baseline loader and in the
 DataModule's, and the bound that decoding sets on how much faster the DataModule's loader can get.
 
-    python -m benchmarks.input_profile [--quick]
+    python -m benchmarks.run --only input_profile [--quick]
 
 Data: the photo-like 500x375 JPEGs of benchmarks/input_pipeline.py. Each stage of each pipeline runs on every image
 in turn, timed in this thread's CPU time (`time.thread_time`), so other processes on the machine do not inflate it;
@@ -23,7 +23,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 from benchmarks import input_pipeline
-from benchmarks.common import one_torch_thread, photo_folder, standalone, table, verdict
+from benchmarks.common import one_torch_thread, photo_folder, table, verdict
 from datamodules.datasets import stack_images
 from datamodules.images import decode_for_crop, read_encoded
 from datamodules.presets import IMAGENET_MEAN, IMAGENET_STD, RandomResizedCropFlip
@@ -163,6 +163,3 @@ def figures(r: dict) -> dict[str, str]:
     return {name: f"{total / (p[key]['read'] + p[key]['decode']):.2f}x"
             for name, key in (("decode_bound", EXACT), ("fast_decode_bound", FAST))}
 
-
-if __name__ == "__main__":
-    standalone("input_profile", __doc__)

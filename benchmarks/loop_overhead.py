@@ -1,6 +1,6 @@
 """Training-loop overhead: ResNet-50 steps/s through this project's LightningModule and Trainer vs a plain loop.
 
-    python -m benchmarks.loop_overhead [--quick]
+    python -m benchmarks.run --only loop_overhead [--quick]
 
 Both loops train the same network with the same optimizer (SGD, Nesterov momentum, a per-step LR schedule),
 the precision `auto` picks on this CPU (bf16 autocast with native bf16, else fp32) and channels_last, on the same
@@ -26,7 +26,6 @@ from benchmarks.common import (
     cpu_autocast,
     interleaved_turns,
     quartiles,
-    standalone,
     table,
     verdict,
 )
@@ -156,6 +155,3 @@ def figures(results: dict) -> dict[str, str]:
         found[f"input_{s['size']}px"] = f"{s['size']} px, batch {s['batch']}"
     return found
 
-
-if __name__ == "__main__":
-    standalone("loop_overhead", __doc__)

@@ -1,6 +1,6 @@
 """Recipe ablation: each ingredient of the torchvision V2 recipe on and off, on the demo digits, 3 seeds, medians.
 
-    python -m benchmarks.recipe [--quick]
+    python -m benchmarks.run --only recipe [--quick]
 
 Every variant is `imgcls fit --config configs/quickstart.yaml` (resnet18 for time, the quickstart's head and
 optimizer), the same epochs and seeds, with one ingredient added; the last variant adds them all. It reports the
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import standalone, table
+from benchmarks.common import table
 from benchmarks.time_to_accuracy import ROOT, _seconds_per_epoch, clock_records, timed
 from datamodules.demo import build_demo_data
 
@@ -95,6 +95,3 @@ def render(result: dict) -> tuple[str, str]:
 def main(quick: bool = False) -> dict:
     return measure(quick)
 
-
-if __name__ == "__main__":
-    standalone("recipe", __doc__)

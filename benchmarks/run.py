@@ -21,7 +21,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks import figures, provenance
+from benchmarks import figures, provenance, records
 from benchmarks.common import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (
     mode with the default folders; a section that fails keeps its previous record, and the run then fails.
     """
     if results is None:
-        results = figures.RESULTS if not quick else (out.parent if out else QUICK_DIR) / "results"
+        results = records.RESULTS if not quick else (out.parent if out else QUICK_DIR) / "results"
     out = out or (QUICK_DIR / "PERFORMANCE.md" if quick else figures.PERFORMANCE)
     failed = []
     for name in only or figures.SECTIONS:
@@ -63,13 +63,13 @@ def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (
             failed.append(f"benchmarks.{name} failed:\n{traceback.format_exc(limit=5)}")
             print(failed[-1], flush=True)
             continue
-        if not figures.measured(record) and os.environ.get("CI") == "true" and (
+        if not records.measured(record) and os.environ.get("CI") == "true" and (
                 record["results"].get("needs") not in NEVER_IN_CI):
             failed.append(f"benchmarks.{name} skipped under CI=true, which can run it: {record['results']['skipped']}")
-        if figures.store(record, results) is None:
+        if records.store(record, results) is None:
             print(f"benchmarks.{name}: {record['results']['skipped']}; the measured records are kept", flush=True)
         print(figures.section(name, record), flush=True)
-    figures.main(results, out, docs=results == figures.RESULTS)
+    figures.main(results, out, docs=results == records.RESULTS)
     if failed:
         raise RuntimeError("\n".join(failed))
     return out

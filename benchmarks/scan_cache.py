@@ -1,7 +1,7 @@
 """Start scan: listing the images and checking that each decodes, at a first start (no cache) and at a later one
 (`data.scan_cache`: only files added or changed since are decoded).
 
-    python -m benchmarks.scan_cache [--quick]
+    python -m benchmarks.run --only scan_cache [--quick]
 
 Data: 100,000 16x16 JPEGs (random pixels, each one decodable) in 10 class folders of train/ and val/, written once
 to the temp folder and dated an hour back (a file younger than 2 s is never cached). Tiny files are the cheapest to
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import standalone, table, verdict
+from benchmarks.common import table, verdict
 from datamodules.bad_images import ScanCache, find_bad_images
 from datamodules.images import find_classes, scan_split
 
@@ -120,6 +120,3 @@ def render(r: dict) -> tuple[str, str]:
 def main(quick: bool = False) -> dict:
     return measure(2_000 if quick else 100_000, reps=2 if quick else 5)
 
-
-if __name__ == "__main__":
-    standalone("scan_cache", __doc__)

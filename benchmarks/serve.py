@@ -2,7 +2,7 @@
 `max_batch_size 1`, and a plain `http.server` endpoint around the same model (one request at a time, no LitServe);
 then the model's forward pass alone at batch 1 and at the largest batch, in images/s.
 
-    python -m benchmarks.serve [--quick]
+    python -m benchmarks.run --only serve [--quick]
 
 A fixed number of concurrent clients each post a bounded number of the same PNG (raw body); every answer must be a
 200. The model is a random-weight ResNet of the quickstart's head written as a model folder (`imgcls publish`'s
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from benchmarks.common import free_port, standalone, table, verdict
+from benchmarks.common import free_port, table, verdict
 
 TITLE = "Serving"
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,13 +256,14 @@ def forward_figures(rates: dict[str, float] | None) -> dict[str, str]:
 
 
 def cli() -> None:
-    """`python -m benchmarks.serve`: the section, or one of its helper processes (--plain, --forward)."""
+    """`python -m benchmarks.serve --plain|--forward ...`: one of the section's helper processes."""
     if len(sys.argv) == 4 and sys.argv[1] == "--plain":
         plain_server(sys.argv[2], int(sys.argv[3]))
     elif len(sys.argv) == 5 and sys.argv[1] == "--forward":
         print(json.dumps(forward_rates(sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]))))
     else:
-        standalone("serve", __doc__)
+        raise SystemExit("usage: python -m benchmarks.serve --plain FOLDER PORT | --forward FOLDER BATCHES SECONDS "
+                         "(the section itself: python -m benchmarks.run --only serve)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Streaming shards: images/s of the training loader from LitData shards (`datamodules.ShardsDataModule`) against
 from the image folder they were converted from, on the same disk, and the conversion's own rate.
 
-    python -m benchmarks.shards [--quick]
+    python -m benchmarks.run --only shards [--quick]
 
 Data: the input-pipeline benchmark's photo-like 500x375 JPEGs, converted by `imgcls prepare-data` into a temporary
 folder beside them. Both loaders are the DataModule's with its defaults (ImageNet recipe at 224 px: decode,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from benchmarks.common import cores, interleaved, mean_jpeg_kb, one_torch_thread, photo_folder, standalone, table
+from benchmarks.common import cores, interleaved, mean_jpeg_kb, one_torch_thread, photo_folder, table
 from benchmarks.input_pipeline import per_image_with_workers
 from datamodules import ImageFolderDataModule
 from datamodules.bad_images import ScanCache
@@ -133,6 +133,3 @@ def figures(r: dict) -> dict[str, str]:
             "read_only_shards_vs_folder": f"{t1[FOLDER_READ] / t1[SHARDS_READ]:.2f}x",
             "convert_img_s": f"{r['images'] / r['convert_s']:.0f} img/s", "workers": str(r["workers"])}
 
-
-if __name__ == "__main__":
-    standalone("shards", __doc__)

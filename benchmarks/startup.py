@@ -1,7 +1,7 @@
 """Process start-up: the wall time of a whole `imgcls fit --print_config` process (interpreter start, imports,
 config parsing, exit), with imgcls/startup.py's collector settings against the same command imported as a library.
 
-    python -m benchmarks.startup [--quick]
+    python -m benchmarks.run --only startup [--quick]
 
 Every `imgcls` command, DDP rank and sweep trial pays this once; a short run pays it more than once (a DDP rank
 that Lightning starts runs the command again). The candidates run round-robin, each in a fresh interpreter:
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import quartiles, standalone, table
+from benchmarks.common import quartiles, table
 
 TITLE = "Process start-up"
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,3 @@ def figures(r: dict) -> dict[str, str]:
         found["exit_saved_s"] = f"{statistics.median(exits):.2f} s"
     return found
 
-
-if __name__ == "__main__":
-    standalone("startup", __doc__)

@@ -2,7 +2,7 @@
 `imgcls sweep` processes on one PostgreSQL database (tests/postgres.py: a throwaway server of the installed
 Debian packages; skipped where there is none).
 
-    python -m benchmarks.sweep_retry [--quick]
+    python -m benchmarks.run --only sweep_retry [--quick]
 
 A one-point grid of the quickstart shrunk to seconds an epoch (resnet18 at 32 px on the demo digits), more epochs
 than the measurement lasts. One worker takes the point; once its trial runs, a second starts, finds the point taken
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import standalone, table
+from benchmarks.common import table
 from datamodules.demo import build_demo_data
 from tests.helpers import TINY, cli_env
 from tests.postgres import Unavailable, throwaway_server
@@ -148,6 +148,3 @@ def figures(r: dict) -> dict[str, str]:
     return {"death_to_retry": f"{_median(r, 'to_retry_s'):.0f} s",
             "settings": f"{r['heartbeat_s']} s heartbeat, {r['grace_s']} s grace period"}
 
-
-if __name__ == "__main__":
-    standalone("sweep_retry", __doc__)

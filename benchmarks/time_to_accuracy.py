@@ -1,6 +1,6 @@
 """Time to accuracy: wall time and epochs for the quickstart to reach 97% and 99% val/acc on the demo digits.
 
-    python -m benchmarks.time_to_accuracy [--quick]
+    python -m benchmarks.run --only time_to_accuracy [--quick]
 
 `imgcls fit --config configs/quickstart.yaml` runs as a user runs it (PNG files, DataLoader, Lightning), against a
 plain PyTorch loop on in-memory tensors with the same model and recipe, in the same benchmark run. Each is a process
@@ -31,7 +31,7 @@ from pathlib import Path
 import lightning as L
 import yaml
 
-from benchmarks.common import auto_cpu_precision, standalone, table, verdict
+from benchmarks.common import auto_cpu_precision, table, verdict
 from datamodules.demo import build_demo_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,6 +349,3 @@ def figures(results: dict) -> dict[str, str]:
                   "lean_vs_plain": f"{_versus(results, LEAN, PLAIN):.2f}x"}
     return found
 
-
-if __name__ == "__main__":
-    standalone("time_to_accuracy", __doc__)

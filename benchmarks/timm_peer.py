@@ -1,6 +1,5 @@
 """timm's own train.py against `imgcls fit`: the quickstart's recipe run by both, at equal optimizer steps.
 
-    python -m benchmarks.timm_peer --peer /elsewhere/train.py [--quick]
     TIMM_TRAIN_PY=/elsewhere/train.py python -m benchmarks.run --only timm_peer
 
 timm's train.py is not in its wheel. It runs unmodified, read from timm's public repository at a release tag whose
@@ -18,7 +17,6 @@ sides, as `auto` picks there.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -107,10 +105,10 @@ def kinds() -> dict[str, dict]:
 def kept_runs(recipe: dict, measured: set[str]) -> tuple[dict, dict]:
     """The other kinds' runs in this machine's stored record of the same recipe (a run of one kind keeps the other's),
     and when each was measured."""
-    from benchmarks import figures
+    from benchmarks import records
     from benchmarks.common import machine_info
 
-    path = figures.RESULTS / "machines" / figures.machine_slug(machine_info()) / "timm_peer.json"
+    path = records.RESULTS / "machines" / records.machine_slug(machine_info()) / "timm_peer.json"
     record = json.loads(path.read_text()) if path.is_file() else {}
     results = record.get("results", {})
     if record.get("mode") != "full" or results.get("recipe") != json.loads(json.dumps(recipe)):  # tuples: lists
@@ -203,8 +201,8 @@ def render(results: dict) -> tuple[str, str]:
                        f"to {s['max']:.2f}x, {len(_ratios(sides))} pairs). Target, at most {TARGET}x with best "
                        f"val/acc at least equal: {verdict(s['met'])}.")
     if results.get("bf16_cpu") and AVX2_ESTIMATE not in results["runs"]:
-        parts.append(f"{AVX2_ESTIMATE}: not measured yet (`python -m benchmarks.timm_peer --kinds avx2_estimate` "
-                     "measures it and keeps the rows above).")
+        parts.append(f"{AVX2_ESTIMATE}: not measured yet (`{KINDS_ENV}=avx2_estimate python -m benchmarks.run --only "
+                     "timm_peer` measures it and keeps the rows above).")
     elif AVX2_ESTIMATE not in results["runs"]:
         parts.append(f"{AVX2_ESTIMATE}: not measured (this CPU has no native bf16: the row above is the AVX2 kind; "
                      "the bf16 kind is not measured here).")
@@ -231,18 +229,3 @@ def figures(results: dict) -> dict[str, str]:
                       f"{key}_imgcls_acc": f"{100 * s['best'][IMGCLS]:.1f}%"}
     return found
 
-
-if __name__ == "__main__":
-    from benchmarks import run
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer", type=Path, help=f"timm's train.py, outside this project (sets ${PEER_ENV})")
-    parser.add_argument("--kinds", nargs="+", choices=("native", "avx2_estimate"),
-                        help="measure only these CPU kinds; this machine's stored rows of the other are kept")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs (kept under runs/)")
-    args = parser.parse_args()
-    if args.peer:
-        os.environ[PEER_ENV] = str(args.peer)
-    if args.kinds:
-        os.environ[KINDS_ENV] = ",".join(args.kinds)
-    run.main(args.quick, only=("timm_peer",))

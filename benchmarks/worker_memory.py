@@ -1,7 +1,7 @@
 """Loader-worker memory: what one DataLoader worker gains in private memory over an epoch, samples in numpy arrays
 (ImageFiles) against the list of (path, class) tuples that ImageFiles held before.
 
-    python -m benchmarks.worker_memory [--quick]
+    python -m benchmarks.run --only worker_memory [--quick]
 
 A forked worker shares its parent's pages until it writes to one; reading a Python object writes its reference count,
 so a worker that reads every sample of a list copies every page of it (pytorch/pytorch#13246): ranks x workers
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.common import standalone, table
+from benchmarks.common import table
 from datamodules.datasets import ImageFiles, PathArray
 from datamodules.samplers import worker_init
 
@@ -183,6 +183,3 @@ def main(quick: bool = False) -> dict:
         return {"skipped": "needs Linux (/proc/PID/smaps_rollup)", "needs": "linux"}
     return measure(5_000 if quick else IMAGENET_TRAIN, 256 if quick else 1024)
 
-
-if __name__ == "__main__":
-    standalone("worker_memory", __doc__)

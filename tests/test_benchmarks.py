@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
+from benchmarks import records as on_disk
 from benchmarks import serve as serve_bench
 from benchmarks import startup as startup_bench
 from benchmarks.common import interleaved, quartiles, table
@@ -38,7 +39,7 @@ def _num(cell: str) -> float:
 
 
 def _committed() -> dict:
-    return {p: p.read_bytes() for p in [*figures.RESULTS.rglob("*.json"), figures.PERFORMANCE]}
+    return {p: p.read_bytes() for p in [*on_disk.RESULTS.rglob("*.json"), figures.PERFORMANCE]}
 
 
 @pytest.mark.slow  # every benchmark but the GPU check's (the next test), shrunk: ~1.5 min on 2 cores
@@ -284,8 +285,8 @@ def test_a_timm_run_of_one_kind_keeps_the_other_kinds_stored_rows(monkeypatch, t
                "measured": {timm_peer.NATIVE: "2026-11-26 19:13 UTC"}}
     record = {"section": "timm_peer", "mode": "full", "started": "2026-11-26 19:00 UTC", "seconds": 1.0,
               "machine": machine_info(), "results": json.loads(json.dumps(results))}
-    monkeypatch.setattr(figures, "RESULTS", tmp_path)
-    figures.store(record, tmp_path)
+    monkeypatch.setattr(on_disk, "RESULTS", tmp_path)
+    on_disk.store(record, tmp_path)
     kept, when = timm_peer.kept_runs(timm_peer.RECIPE, {timm_peer.AVX2_ESTIMATE})
     assert kept == {timm_peer.NATIVE: json.loads(json.dumps(native))}
     assert when == {timm_peer.NATIVE: "2026-11-26 19:13 UTC"}
@@ -386,15 +387,15 @@ def test_figures_measured_with_the_kernels_held_are_filed_as_an_estimate(monkeyp
         return {"section": "startup", "mode": "full", "started": "2026-11-27 14:00 UTC", "seconds": 1.0,
                 "machine": machine, "results": {"rows": {}}}
 
-    stored = [figures.store(record(machine), tmp_path) for machine in (real, held)]
+    stored = [on_disk.store(record(machine), tmp_path) for machine in (real, held)]
     assert stored[0] != stored[1] and all(path.is_file() for path in stored)
-    assert figures.kind_slug(held) == f"{figures.kind_slug(real)}-estimate"  # the docs' figure keys name it too
+    assert on_disk.kind_slug(held) == f"{on_disk.kind_slug(real)}-estimate"  # the docs' figure keys name it too
     # Measured natively on the kind it stands in for, the section drops the estimate from the page.
     estimate = {**held, "cpu_kind": "AVX2 CPU estimate", "cpu_model": "estimating host"}
     native = {**real, "cpu_kind": "AVX2 CPU", "cpu_model": "an AVX2 host"}
-    figures.store(record(estimate), tmp_path)
+    on_disk.store(record(estimate), tmp_path)
     assert "AVX2 CPU estimate" in [r["machine"]["cpu_kind"] for r in figures.load_all(tmp_path)["startup"]]
-    figures.store(record(native), tmp_path)
+    on_disk.store(record(native), tmp_path)
     kinds = [r["machine"]["cpu_kind"] for r in figures.load_all(tmp_path)["startup"]]
     assert "AVX2 CPU" in kinds and "AVX2 CPU estimate" not in kinds
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import figures
+from benchmarks import records as on_disk
 from tests.helpers import ROOT
 
 OURS = ("core", "datamodules", "lightning_modules", "training", "deploy", "imgcls", "benchmarks", "tests")
@@ -166,7 +167,7 @@ def recorded_tests() -> frozenset[str]:
     """The test functions that the stored GPU check records name: docs/PERFORMANCE.md shows what a GPU ran under the
     names the tests had then (one renamed since waits in benchmarks.cuda_tests.NOT_YET_RUN_ON_A_GPU for the next)."""
     return frozenset(re.sub(r"\[.*", "", case["test"].partition("::")[2])
-                     for record in figures.load_all().get("cuda_tests", []) if figures.measured(record)
+                     for record in figures.load_all().get("cuda_tests", []) if on_disk.measured(record)
                      for case in record["results"]["tests"])
 
 

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from benchmarks import figures, provenance
+from benchmarks import records as on_disk
 
 RECORD_KEYS = {"section", "mode", "started", "seconds", "machine", "results", "provenance"}
 SHA = re.compile(r"[0-9a-f]{40}")
@@ -77,7 +78,7 @@ def test_every_records_commit_is_in_the_history_and_on_main_where_it_says_so(all
 def test_the_page_shows_each_records_command_and_commit_and_marks_what_a_reader_must_know():
     page = figures.PERFORMANCE.read_text()
     for records in figures.load_all().values():
-        for run in (r for r in records if figures.measured(r)):
+        for run in (r for r in records if on_disk.measured(r)):
             assert f"_Measured by {figures.origin(run)};" in page
     base = {"commit": "a" * 40, "clean": True, "on_main": True, "command": "python -m benchmarks.run --only x",
             "versions": {}, "log_tail": []}
@@ -91,7 +92,7 @@ def test_the_page_shows_each_records_command_and_commit_and_marks_what_a_reader_
 
 def test_a_superseded_record_never_reaches_the_page(tmp_path, monkeypatch, all_runs):
     """A record of an older METHOD than its section's measures something else: it is left out, and none is stored."""
-    for path in sorted((figures.RESULTS / "machines").glob("*/*.json")):
+    for path in sorted((on_disk.RESULTS / "machines").glob("*/*.json")):
         assert not figures.superseded(json.loads(path.read_text())), f"{path} is superseded: delete or re-measure it"
     record = json.loads(json.dumps(all_runs["startup"][0]))
     folder = tmp_path / "machines" / "m"
@@ -137,11 +138,11 @@ def test_every_machines_stored_record_is_on_the_page(all_runs):
     """A render that dropped a machine's figures (as a CPU run once replaced the H100's) fails here."""
     page = figures.PERFORMANCE.read_text()
     for name, records in all_runs.items():
-        for run in (r for r in records if figures.measured(r)):
+        for run in (r for r in records if on_disk.measured(r)):
             body, _ = figures._module(name).render(run["results"])
             assert f"Machine: {run['machine']['line']}._" in page and body in page, (name, run["machine"]["cpu"])
     gpu = [r for r in all_runs["gpu_throughput"] if r["machine"].get("cuda") == "NVIDIA H100 80GB HBM3"]
-    assert gpu and figures.measured(gpu[0])
+    assert gpu and on_disk.measured(gpu[0])
 
 
 def _record(section: str, kind: str, flags: dict, results: dict, started: str, cuda: str | None = None) -> dict:
@@ -161,17 +162,17 @@ def test_a_run_keeps_every_other_machines_record_and_a_skip_never_replaces_a_mea
                   "flop_per_image": 1e9, "peak_flops": None, "augment_img_s": 3.0}, "2026-01-01 00:00 UTC", cuda="H")
     skipped = _record("gpu_throughput", "AVX2 CPU", avx2, {"skipped": "no CUDA device on this machine"},
                       "2026-02-01 00:00 UTC")
-    assert figures.store(gpu, tmp_path) is not None
-    assert figures.store(skipped, tmp_path) is None  # newer, but skipped: the measured record stays the only one
+    assert on_disk.store(gpu, tmp_path) is not None
+    assert on_disk.store(skipped, tmp_path) is None  # newer, but skipped: the measured record stays the only one
     assert figures.load_all(tmp_path)["gpu_throughput"] == [gpu]
     first = _record("startup", "AVX2 CPU", avx2, {}, "2026-01-01 00:00 UTC")
     second = _record("startup", "bf16 CPU", bf16, {}, "2026-02-01 00:00 UTC")
-    figures.store(first, tmp_path)
-    figures.store(second, tmp_path)
+    on_disk.store(first, tmp_path)
+    on_disk.store(second, tmp_path)
     assert figures.load_all(tmp_path)["startup"] == [second, first]  # both kept, the newest is primary
     other = _record("gpu_throughput", "AVX2 CPU", avx2, {**gpu["results"], "device": "G", "img_s": {"a": 7.0}},
                     "2026-03-01 00:00 UTC", cuda="G")
-    figures.store(other, tmp_path)
+    on_disk.store(other, tmp_path)
     page = figures.section("gpu_throughput", figures.load_all(tmp_path)["gpu_throughput"])
     assert "| a | 9 |" in page and "| a | 7 |" in page and "no CUDA device" not in page  # both GPUs' rows
     assert page.count("_Measured by ") == 2

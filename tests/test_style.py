@@ -13,7 +13,7 @@ from tests.helpers import CONFIGS, ROOT
 MAX_COLUMNS = 120
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
-SIZED_PACKAGES = ("core", "datamodules", "lightning_modules", "training", "deploy", "imgcls")
+SIZED_PACKAGES = ("core", "datamodules", "lightning_modules", "training", "deploy", "imgcls", "benchmarks")
 
 
 def test_ruff_finds_nothing():
