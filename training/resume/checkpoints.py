@@ -7,7 +7,6 @@ resume.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import pickle
 import re
@@ -27,9 +26,12 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from training.resume.faults import WriteError, error_in
 
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the files saved before it are untouched."""
+
+class CheckpointWriteError(WriteError):
+    """A checkpoint could not be written (a full disk, or any other OSError); the files saved before it are
+    untouched, and no temporary file is left."""
 
 
 class UnsafeCheckpointError(RuntimeError):
@@ -67,7 +69,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 if hasattr(os, "posix_fadvise"):  # not on macOS or Windows
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
-        self._replace(path, write)
+        self._replace(path, write, tensor_bytes(checkpoint))
 
     def link_checkpoint(self, source, path) -> None:
         """Make `path` a second name of the checkpoint file `source` (a hard link, or a copy where the file system
@@ -82,28 +84,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
 
-        self._replace(path, link)
+        self._replace(path, link, source.stat().st_size)
 
     @staticmethod
-    def _replace(path: Path, make: Callable[[Path], None]) -> None:
-        """`make` a temporary file in `path`'s folder, then rename it over `path`: never half a file at `path`."""
+    def _replace(path: Path, make: Callable[[Path], None], needed: int) -> None:
+        """`make` a temporary file in `path`'s folder, then rename it over `path`: never half a file at `path`. A write
+        that fails for an OSError (torch's zip writer wraps it in a RuntimeError) raises CheckpointWriteError."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
             make(tmp)
             os.replace(tmp, path)
             _fsync_dir(path.parent)
-        except OSError as err:
+        except BaseException as err:
             tmp.unlink(missing_ok=True)
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise CheckpointWriteError(
-                    err.errno, f"no space left to write checkpoint {path}; free space in {path.parent} and resume "
-                    "with --ckpt_path last (the checkpoints saved before this one are intact)"
-                ) from err
-            raise
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            cause = error_in(err) if isinstance(err, Exception) else None
+            if cause is None or isinstance(err, CheckpointWriteError):
+                raise
+            raise CheckpointWriteError(cause, f"checkpoint {path.name}", path.parent, needed) from err
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         return safe_load(path, map_location=map_location)
@@ -153,6 +151,8 @@ class AsyncAtomicCheckpointIO(CheckpointIO):
             self.executor = ThreadPoolExecutor(max_workers=1, initializer=_lower_thread_priority)
 
         def run() -> None:
+            if self.error is not None:  # a write failed: no later removal may take the checkpoint it was to replace
+                return
             try:
                 operation(*args)
             except BaseException as err:  # noqa: BLE001 - raised on the training thread, at the next save or teardown
@@ -182,6 +182,13 @@ def unsafe_message(path, err: Exception) -> str:
     return (f"refusing to load {path}: it holds pickled objects other than tensors and plain containers, which could "
             f"run code when loaded ({detail[0] if detail else type(err).__name__}); only use files from a trusted "
             "source")
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in `obj` (a checkpoint, a state dict, an optimizer's state, nested)."""
+    sizes: list[int] = []
+    apply_to_collection(obj, torch.Tensor, lambda t: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
 
 
 def _check_finite(state_dict: dict[str, Any], path: Path) -> None:
@@ -248,12 +255,13 @@ class ResumePlan:
     auto: bool = False  # found by auto_resume (no --ckpt_path)
 
 
-def newest_intact_checkpoint(folder: Path | list[Path], first: Path | None = None) -> tuple[Path | None, list[Path]]:
+def newest_intact_checkpoint(folder: Path | list[Path], first: Path | None = None,
+                             report: bool = True) -> tuple[Path | None, list[Path]]:
     """(the newest intact `*.ckpt` of `folder` (or of several), the unusable ones newer than it); `first` is tried
     before the others.
 
-    Read-only: every rank of a job may run it at once. Each unusable file is reported; `tidy_checkpoint_folders`
-    moves them aside once the ranks have agreed (`agree_on_resume`).
+    Read-only: every rank of a job may run it at once. Each unusable file is reported (unless `report` is False);
+    `tidy_checkpoint_folders` moves them aside once the ranks have agreed (`agree_on_resume`).
     """
     folders = [folder] if isinstance(folder, Path) else list(dict.fromkeys(folder))
     candidates = []
@@ -272,7 +280,7 @@ def newest_intact_checkpoint(folder: Path | list[Path], first: Path | None = Non
             found = problems.pop(path) or path
             break
     then = f"continuing from {found}" if found else "no intact checkpoint is left"
-    for path, problem in problems.items():  # one plain line each, as every announcement
+    for path, problem in problems.items() if report else ():  # one plain line each, as every announcement
         rank_zero_info(f"skipped {path}, which is unusable ({problem}) and will be moved to {path.name}.corrupt; "
                        f"{then}")
     return found, list(problems)

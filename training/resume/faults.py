@@ -1,5 +1,6 @@
 """What the fault guards share (their callbacks are beside, in training/resume/): the preemption checkpoint's name, a
-sampler's epoch, the run's checkpoints, and the one-line message for a lost peer."""
+sampler's epoch, the run's checkpoints, the one-line message for a lost peer, and the error of a file that could not
+be written."""
 
 from __future__ import annotations
 
@@ -62,3 +63,28 @@ def lost_peer_message(err: BaseException) -> str | None:
     return (f"rank {rank_zero_only.rank} lost contact with the other processes during a collective ({detail}): a "
             "peer crashed, was killed, or hung longer than trainer.strategy.timeout_s. Its own output names the "
             "cause; rerun the same command to resume from the last checkpoint (auto_resume)")
+
+
+class WriteError(OSError):
+    """A file of the run (a checkpoint, a logger's files) could not be written: `what` it was and the `folder`, for
+    the one line the fit stops with (training/resume/disk.py). Its errno and strerror are the OSError's."""
+
+    def __init__(self, cause: OSError, what: str, folder: str | os.PathLike, needed: int | None = None) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.what, self.folder, self.needed = what, Path(folder), needed
+
+    def __str__(self) -> str:
+        return f"cannot write {self.what} in {self.folder}: {self.strerror}"
+
+
+def error_in(err: BaseException | None, kind: type[BaseException] = OSError) -> BaseException | None:
+    """The first error of type `kind` in `err`'s chain: itself, then what it was raised from or while handling. torch's
+    zip writer reports a full disk as `RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos`, raised
+    while the OSError was handled, and TensorBoardLogger re-raises any error of its writer as a ValueError."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kind):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
