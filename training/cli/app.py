@@ -6,7 +6,7 @@ library that the command on top (imgcls/commands.py), a sweep's trial and the te
 
 What the CLI adds that no config file shows (`--print_config` does not list these):
 - the fault guards on every run, after the configured callbacks: `training.resume.ExactResume`,
-  `LrPlanAcrossResumes`, `Preemption` and `NonFiniteLossGuard` (docs/FAULT_TOLERANCE.md);
+  `LrPlanAcrossResumes`, `Preemption`, `NonFiniteLossGuard` and `DiskSpace` (docs/FAULT_TOLERANCE.md);
 - `training.resume.checkpoints.AtomicCheckpointIO` as the checkpoint writer, unless `trainer.plugins` names a
   CheckpointIO;
 - `training.callbacks.PredictionWriter` for `predict`, unless a BasePredictionWriter is configured;

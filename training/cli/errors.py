@@ -1,6 +1,6 @@
-"""How `imgcls` reports errors: the user's mistakes (a config value, a file, a folder, an image) and a lost peer
-in one line that names the key or file and the fix, without a traceback (IMGCLS_TRACEBACK=1 shows it); anything
-else with its traceback."""
+"""How `imgcls` reports errors: the user's mistakes (a config value, a file, a folder, an image), a lost peer and a
+file of the run that could not be written, each in one line that names the key or file
+and the fix, without a traceback (IMGCLS_TRACEBACK=1 shows it); anything else with its traceback."""
 
 from __future__ import annotations
 
@@ -8,24 +8,36 @@ import os
 import sys
 from pathlib import Path
 
+from lightning.pytorch.utilities import rank_zero_only
+
 from datamodules.datasets import UnreadableImageError
 from lightning_modules.network import WeightsDownloadError
 from training.resume.checkpoints import CheckpointWriteError, UnsafeCheckpointError
-from training.resume.faults import NonFiniteLossError, lost_peer_message
+from training.resume.disk import RunWriteError
+from training.resume.faults import NonFiniteLossError, error_in, lost_peer_message
 
 # Errors caused by what the user gave us (config values, files, folders, a source whose extra is not installed)
 # or by the machine (weights it cannot download), reported in one line without a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError, UnsafeCheckpointError,
-               NonFiniteLossError, CheckpointWriteError, WeightsDownloadError)
+               NonFiniteLossError, WeightsDownloadError)
+# The exit codes besides 2 (USER_ERRORS) and 1 (a lost peer), from sysexits.h: a file of the run could not be written
+# or will not fit (EX_IOERR).
+EXIT_CODES = {RunWriteError: 74, CheckpointWriteError: 74}
 _PACKAGES = tuple(str(Path(__file__).resolve().parents[2] / pkg) for pkg in ("core", "datamodules", "lightning_modules",
                                                                              "training", "deploy"))
 
 
 def exit_code(err: BaseException) -> int | None:
-    """Print `err` in one line and return the exit code (2: the user's input, 1: a lost peer), or None when it is to be
-    raised with its traceback."""
+    """Print `err` in one line and return the exit code (2: the user's input, 1: a lost peer, EXIT_CODES), or None
+    when it is to be raised with its traceback."""
     if os.environ.get("IMGCLS_TRACEBACK"):
         return None
+    for kind, code in EXIT_CODES.items():  # in the chain too: a teardown's error raised while the fit's was handled
+        found = error_in(err, kind)
+        if found is not None:
+            if rank_zero_only.rank == 0:  # every rank of a job stops with it; the line once
+                print(f"imgcls: error: {found}", file=sys.stderr)
+            return code
     err = constructor_error(err)
     if isinstance(err, UnreadableImageError):
         # From a loader worker it arrives re-raised by torch, its message the worker's whole traceback: the last line

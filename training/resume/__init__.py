@@ -4,7 +4,8 @@ exact.
 - checkpoints.py: the checkpoints a resume can trust (atomic writes, safe loads, intact files) and the one a fit
   resumes from (`resolve_resume`);
 - agreement.py: the ranks agree on rank 0's choice before any of them reads a checkpoint (`AgreedResume`, the
-  Trainer's base), then rank 0 tidies the folders;
+  Trainer's base), then rank 0 tidies the folders; a write that fails stops the fit in one line (disk.py);
+- disk.py: the room a run's checkpoints need, checked at a fit's start (`DiskSpace`), and the line of a failed write;
 - same_run.py: a fit continues a checkpoint only when it is the same run, unfinished (its refusals);
 - exact.py: the exact continuation of a run (`ExactResume`);
 - lr_plan.py: the model's learning-rate plan saved and restored on another global batch or length
@@ -33,15 +34,17 @@ FENCE:
 """
 
 from training.resume.curves import CurvesAcrossResumes
+from training.resume.disk import DiskSpace
 from training.resume.exact import ExactResume
 from training.resume.lr_plan import LrPlanAcrossResumes
 from training.resume.non_finite import NonFiniteLossGuard
 from training.resume.preemption import Preemption
 
-__all__ = ["CurvesAcrossResumes", "ExactResume", "LrPlanAcrossResumes", "NonFiniteLossGuard", "Preemption"]
+__all__ = ["CurvesAcrossResumes", "DiskSpace", "ExactResume", "LrPlanAcrossResumes", "NonFiniteLossGuard", "Preemption"]
 
 
 def fault_callbacks() -> list:
     """The fault guards the CLI adds to every run, after the configured callbacks (LrPlanAcrossResumes after
     ExactResume, whose restart of an epoch on another world size the resumed length counts)."""
-    return [ExactResume(), LrPlanAcrossResumes(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes()]
+    return [ExactResume(), LrPlanAcrossResumes(), Preemption(), NonFiniteLossGuard(), CurvesAcrossResumes(),
+            DiskSpace()]

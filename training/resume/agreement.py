@@ -1,4 +1,5 @@
-"""One resume decision for every rank: a fit loads rank 0's checkpoint on every rank, then rank 0 tidies the folders."""
+"""One resume decision for every rank: a fit loads rank 0's checkpoint on every rank, then rank 0 tidies the folders;
+and the one line a fit stops with when a file of its run cannot be written (training/resume/disk.py)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,31 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from training.resume.checkpoints import ResumePlan, agree_on_resume, tidy_checkpoint_folders
+from training.resume.disk import write_failure
 
 
 class AgreedResume(L.Trainer):
     """`lightning.Trainer` whose fit resumes every rank from rank 0's checkpoint (`agree_on_resume`); rank 0 then moves
-    the unusable checkpoints of `resume_plan` aside and removes the leftovers of killed checkpoint writes."""
+    the unusable checkpoints of `resume_plan` aside and removes the leftovers of killed checkpoint writes. A write that
+    fails stops the fit with `write_failure`'s line."""
 
     resume_plan: ResumePlan | None = None  # set by the CLI: what --ckpt_path last / auto_resume found
 
     def _run(self, model, ckpt_path=None, weights_only=None):
         # The one point after the processes exist and before any checkpoint is read; Lightning has no hook there.
-        if self.state.fn == TrainerFn.FITTING:
-            if isinstance(self.strategy, ParallelStrategy):
-                self.strategy.setup_environment()  # the process group a step early; _run finds it up and goes on
-            ckpt_path = agree_on_resume(ckpt_path)
-            if self.is_global_zero:
-                plan = self.resume_plan or ResumePlan(ckpt_path)
-                tidy_checkpoint_folders([c.dirpath for c in self.checkpoint_callbacks if getattr(c, "dirpath", None)],
-                                        [p for p in plan.unusable if str(p) != ckpt_path])
-        return super()._run(model, ckpt_path=ckpt_path, weights_only=weights_only)
+        if self.state.fn != TrainerFn.FITTING:
+            return super()._run(model, ckpt_path=ckpt_path, weights_only=weights_only)
+        if isinstance(self.strategy, ParallelStrategy):
+            self.strategy.setup_environment()  # the process group a step early; _run finds it up and goes on
+        ckpt_path = agree_on_resume(ckpt_path)
+        if self.is_global_zero:
+            plan = self.resume_plan or ResumePlan(ckpt_path)
+            tidy_checkpoint_folders([c.dirpath for c in self.checkpoint_callbacks if getattr(c, "dirpath", None)],
+                                    [p for p in plan.unusable if str(p) != ckpt_path])
+        try:
+            return super()._run(model, ckpt_path=ckpt_path, weights_only=weights_only)
+        except BaseException as err:
+            stop = write_failure(self, err)
+            if stop is None:
+                raise
+            raise stop from err
