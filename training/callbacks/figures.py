@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassConfusionMatrix, MultilabelStatScores
 
 from training.records.figures import (
@@ -20,8 +21,10 @@ from training.records.figures import (
     per_class_scores,
     publish,
     publish_table,
+    replace_file,
     scores_from_counts,
 )
+from training.resume.faults import WriteError
 
 
 class ValidationFigures(Callback):
@@ -33,6 +36,9 @@ class ValidationFigures(Callback):
     The confusion matrix is a torchmetrics metric, so under DDP it counts every rank's images; the misclassified
     grid shows the first `max_images` mistakes that rank 0 sees (cheap: no extra forward pass, the logits are taken
     from the model's own forward through a hook).
+
+    A figure that cannot be written (a full disk) is skipped with one line, and the fit goes on; the logger's images
+    are the logger's writes, which stop the fit when they fail (training/records/loggers.py).
 
     Drawing takes a fraction of a second, which matters only when epochs are short: during a fit, a validation's
     figures are drawn while the time spent drawing, this one's expected cost included (the previous drawing's), stays
@@ -136,16 +142,24 @@ class ValidationFigures(Callback):
     def _draw_pending(self, trainer: Trainer) -> None:
         draw, epoch, step = self._pending
         self._pending = None
-        start = time.monotonic()
-        draw(trainer, Path(trainer.default_root_dir) / "figures", epoch, step)
+        start, out = time.monotonic(), Path(trainer.default_root_dir) / "figures"
+        try:
+            draw(trainer, out, epoch, step)
+        except OSError as err:
+            if isinstance(err, WriteError):  # a logger's files: the fit stops, as for the logger's own writes
+                raise
+            # A figure is never worth a run: a full disk stops it at its next checkpoint or log, in one line.
+            rank_zero_info(f"figures: epoch {epoch}'s not saved in {out} ({err.strerror or err}); the fit goes on "
+                           "without them")
         self._last_cost = time.monotonic() - start
         self._spent += self._last_cost
 
     def _draw_matrix_and_mistakes(self, names: list[str], matrix: torch.Tensor, mistakes: list, trainer: Trainer,
                                   out: Path, epoch: int, step: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        np.savetxt(out / "confusion_matrix.csv", matrix.numpy(), fmt="%d", delimiter=",",
-                   header="rows: true class, columns: predicted class; " + ",".join(names))
+        replace_file(out / "confusion_matrix.csv", lambda tmp: np.savetxt(
+            tmp, matrix.numpy(), fmt="%d", delimiter=",",
+            header="rows: true class, columns: predicted class; " + ",".join(names)))
         fig, ax = self.confusion.plot(val=matrix, labels=names if len(names) <= 30 else None)
         ax.set_title(f"val confusion matrix, epoch {epoch}")
         publish(trainer, "val/confusion_matrix", figure_to_array(fig), step)
@@ -162,7 +176,8 @@ class ValidationFigures(Callback):
                         step: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
         publish_table(trainer, "val/per_class", names, scores, step)
-        np.savetxt(out / "per_class.csv", scores, fmt=["%.6f", "%.6f", "%.6f", "%d"], delimiter=",",
-                   header="rows: " + ",".join(names) + "\nprecision,recall,f1,support")
+        replace_file(out / "per_class.csv", lambda tmp: np.savetxt(
+            tmp, scores, fmt=["%.6f", "%.6f", "%.6f", "%d"], delimiter=",",
+            header="rows: " + ",".join(names) + "\nprecision,recall,f1,support"))
         if len(names) <= 40:
             publish(trainer, "val/per_class", per_class_chart(names, scores, epoch), step)

@@ -3,6 +3,8 @@ misclassified images, every epoch (multi-label: the per-class scores only)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -11,6 +13,8 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from PIL import Image, ImageDraw, ImageFont
+
+from training.records.loggers import logger_write
 
 
 def per_class_scores(matrix: np.ndarray) -> np.ndarray:
@@ -98,20 +102,32 @@ def publish_table(trainer: Trainer, tag: str, names: list[str], scores: np.ndarr
         if isinstance(logger, TensorBoardLogger):
             text = "\n".join(["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|",
                               *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
-            logger.experiment.add_text(tag, text, global_step=step)
+            logger_write(logger, logger.experiment.add_text, tag, text, global_step=step)
         elif isinstance(logger, WandbLogger):
             logger.log_table(key=tag, columns=columns, data=rows, step=step)
 
 
 def publish(trainer: Trainer, tag: str, image: np.ndarray, step: int | None = None) -> None:
     """Send one (H, W, 3) uint8 picture to every logger that shows images, at `step` (the trainer's global step by
-    default), and overwrite `<run>/figures/<name>.png`."""
+    default), and overwrite `<run>/figures/<name>.png` (`replace_file`). A logger's write that fails stops the fit as
+    the logger's own writes do (training/records/loggers.py)."""
     step = trainer.global_step if step is None else step
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_image(tag, image, global_step=step, dataformats="HWC")
+            logger_write(logger, logger.experiment.add_image, tag, image, global_step=step, dataformats="HWC")
         elif isinstance(logger, WandbLogger):
             logger.log_image(key=tag, images=[image], step=step)
     out = Path(trainer.default_root_dir) / "figures"
     out.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(image).save(out / f"{tag.split('/')[-1]}.png")
+    replace_file(out / f"{tag.split('/')[-1]}.png", lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
+
+
+def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` a temporary file beside `path`, then rename it over `path`: the last one stays whole until the new one
+    is (a full disk raises OSError and leaves no temporary file)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -12,14 +12,18 @@ curve shows it once, from this fit (docs/FAULT_TOLERANCE.md, "Logs across a resu
 
 Every row Lightning logs during a fit carries the number of optimizer steps done before it (the train loss and the
 learning rate of a batch, the validation that follows it), and a checkpoint at global step N covers every row below N.
-`training.resume.CurvesAcrossResumes`, which every run carries, tells the loggers both.
+`training.resume.CurvesAcrossResumes`, which every run carries, tells the loggers both, and when a checkpoint is about
+to be written: TensorBoard and CSV write the rows it covers first. Their first write that fails (a full disk) stops
+the fit in one line (training/resume/disk.py) before a later checkpoint can cover a row they lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
+import shutil
 import sys
 
 # TensorBoard's writer, which Lightning imports on first use and jsonargparse as soon as it reads the logger's
@@ -32,15 +36,43 @@ from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
 from training.records.secrets import redact_secrets
+from training.resume.faults import WriteError, error_in
 
 
 class _KeptMetrics(ExperimentWriter):
-    """CSVLogger's writer, which appends to an existing metrics.csv instead of deleting it."""
+    """CSVLogger's writer, which appends to an existing metrics.csv instead of deleting it, and writes it all or
+    nothing: a write that fails (a full disk) leaves the file as it was."""
 
     def _check_log_dir_exists(self) -> None:
         if os.path.isfile(self.metrics_file_path):  # its columns, so that rows with fewer keys append under them
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = sorted(next(csv.reader(f), []))
+
+    def save(self) -> None:
+        path = self.metrics_file_path
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        # New columns make Lightning write the file again from its first line: a copy to go back to.
+        copy = f"{path}.tmp{os.getpid()}" if size is not None and set().union(*self.metrics) - set(
+            self.metrics_keys) else None
+        copied = False
+        try:
+            if copy:
+                shutil.copyfile(path, copy)  # a full disk fails here, before the file is touched
+                copied = True
+            super().save()
+        except OSError:
+            if copied:
+                os.replace(copy, path)
+            elif copy is None and size is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            elif copy is None:
+                os.truncate(path, size)  # the rows appended, or part of one, taken off
+            raise
+        finally:
+            if copy:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(copy)
 
     def starts_at(self, step: int) -> None:
         """Keep the file's rows of steps below `step`, in order."""
@@ -50,14 +82,70 @@ class _KeptMetrics(ExperimentWriter):
         with open(self.metrics_file_path, newline="") as f:
             reader = csv.DictReader(f)
             header, rows = reader.fieldnames or [], [row for row in reader if int(row["step"]) < step]
-        with open(self.metrics_file_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=header)
-            writer.writeheader()
-            writer.writerows(rows)
+        kept = f"{self.metrics_file_path}.tmp{os.getpid()}"
+        try:
+            with open(kept, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=header)
+                writer.writeheader()
+                writer.writerows(rows)
+            os.replace(kept, self.metrics_file_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(kept)
 
 
-class ResumableCSVLogger(CSVLogger):
+class _StopsAtAFailedWrite:
+    """A logger whose first write that fails (an OSError, such as a full disk's; TensorBoardLogger re-raises its
+    writer's as a ValueError) is raised once, as a WriteError that names its files and folder, so that the fit stops in
+    one line (training/resume/disk.py). It writes nothing after that: the calls Lightning makes on the way out
+    (`finalize`, the flush of the last checkpoint's rows) do not raise it again. A loss of rows never goes unsaid, and
+    none is ever covered by a later checkpoint: every row a checkpoint covers is written before it (`checkpointing`)."""
+
+    FILES = "logs"  # what a write failure names
+    write_failed = False
+
+    def write(self, method, *args, **kwargs):
+        """`method(*args, **kwargs)`, one of this logger's writes."""
+        if self.write_failed:
+            return None
+        try:
+            return method(*args, **kwargs)
+        except Exception as err:
+            cause = error_in(err)
+            if cause is None:
+                raise
+            self.write_failed = True
+            raise WriteError(cause, self.FILES, self.log_dir) from err
+
+    def log_metrics(self, metrics, step: int | None = None) -> None:
+        self.write(super().log_metrics, metrics, step)
+
+    def log_hyperparams(self, params=None, *args, **kwargs) -> None:
+        self.write(super().log_hyperparams, params, *args, **kwargs)
+
+    def save(self) -> None:
+        self.write(super().save)
+
+    def finalize(self, status: str) -> None:
+        if status == "success":
+            self.write(super().finalize, status)
+            return
+        with contextlib.suppress(WriteError):  # a fit that failed: its own error says why, and its teardown goes on
+            self.write(super().finalize, status)
+
+
+def logger_write(logger: Logger, method, *args, **kwargs):
+    """`method(*args, **kwargs)` (e.g. `logger.experiment.add_image`) as one of `logger`'s writes: a failure stops the
+    fit as its own writes do, where the logger is one of ours."""
+    if isinstance(logger, _StopsAtAFailedWrite):
+        return logger.write(method, *args, **kwargs)
+    return method(*args, **kwargs)
+
+
+class ResumableCSVLogger(_StopsAtAFailedWrite, CSVLogger):
     """Lightning's CSVLogger whose metrics.csv holds the whole run: a resumed fit appends to it."""
+
+    FILES = "metrics.csv"
 
     @property
     def experiment(self) -> _KeptMetrics:
@@ -68,25 +156,28 @@ class ResumableCSVLogger(CSVLogger):
 
     @rank_zero_only
     def starts_at(self, step: int) -> None:
-        self.experiment.starts_at(step)
+        self.write(self.experiment.starts_at, step)
 
     @rank_zero_only
-    def covered_below(self, step: float) -> None:
-        self.experiment.save()  # the rows a checkpoint covers reach the disk with it
+    def checkpointing(self, step: int) -> None:
+        self.write(self.experiment.save)  # the rows a checkpoint covers reach the disk before it
 
 
-class ResumableTensorBoardLogger(TensorBoardLogger):
+class ResumableTensorBoardLogger(_StopsAtAFailedWrite, TensorBoardLogger):
     """Lightning's TensorBoardLogger, whose fits hide what an earlier process logged at their steps and later."""
+
+    FILES = "the TensorBoard event file"
 
     @rank_zero_only
     def starts_at(self, step: int) -> None:
         # What SummaryWriter(purge_step=step) writes: the experiment exists already (the run's hparams are logged).
-        self.experiment.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
-        self.experiment.flush()
+        self.write(self.experiment.file_writer.add_event, Event(step=step, session_log=SessionLog(
+            status=SessionLog.START)))
+        self.write(self.experiment.flush)
 
     @rank_zero_only
-    def covered_below(self, step: float) -> None:
-        self.experiment.flush()  # the events a checkpoint covers reach the disk with it
+    def checkpointing(self, step: int) -> None:
+        self.write(self.experiment.flush)  # the events a checkpoint covers reach the disk before it
 
 
 # Seconds between W&B's writes of a run's file (`.wandb`, what `wandb sync` uploads): the rows a checkpoint covers are

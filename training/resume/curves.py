@@ -9,9 +9,10 @@ from lightning.pytorch import Callback
 
 
 class CurvesAcrossResumes(Callback):
-    """Tells the loggers where a fit starts (`starts_at`) and which steps its checkpoints cover (`covered_below`,
-    once the file is written: at the next batch or when the fit stops). Loggers without these methods are left as
-    their library made them."""
+    """Tells the loggers where a fit starts (`starts_at`), that a checkpoint is about to be written (`checkpointing`:
+    the rows it covers go to disk first, so a logger whose disk is full stops the fit before a checkpoint covers rows it
+    lost), and which steps its checkpoints cover (`covered_below`, once the file is written: at the next batch or when
+    the fit stops). Loggers without these methods are left as their library made them."""
 
     def __init__(self) -> None:
         self._saved: int | None = None
@@ -28,6 +29,7 @@ class CurvesAcrossResumes(Callback):
             self._tell(trainer, "covered_below", math.inf)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._tell(trainer, "checkpointing", trainer.global_step)
         self._saved = trainer.global_step
 
     def _release(self, trainer) -> None:
