@@ -1,8 +1,11 @@
-"""Test-only fault injection: callbacks that SIGKILL their process, break a file, overflow a step or lose a state."""
+"""Test-only fault injection: callbacks that SIGKILL their process, break a file, overflow a step, lose a state or fill
+the disk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -94,3 +97,24 @@ class ForgetScaler(Callback):
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         checkpoint.pop(type(trainer.precision_plugin).__qualname__)
+
+
+class FillDisk(Callback):
+    """Fill the disk of `path` after training step `step` (after any checkpoint of that step was written): `path`
+    grows until the file system has no byte left, as other jobs on a shared disk would leave it."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero and not os.path.exists(self.path):
+            fill(Path(self.path))
+
+
+def fill(path: Path, leave: int = 0) -> None:
+    """Write `path` until its file system has less than `leave` + 4 KiB free (tmpfs counts in pages)."""
+    with open(path, "ab", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 16, 1 << 12):
+            with contextlib.suppress(OSError):  # full: the next, smaller chunk fills what is left
+                while shutil.disk_usage(path.parent).free - chunk >= leave:
+                    f.write(b"\0" * chunk)
