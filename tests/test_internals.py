@@ -28,7 +28,8 @@ MAX_PRIVATE_NAMES = 15
 # name -> (where it is used, why no public way exists)
 FENCE = {
     "_run": ("training/resume/agreement.py: AgreedResume._run",
-             "the ranks agree on the resume checkpoint after the process group exists and before any rank reads it; "
+             "rank 0 holds the run folder and the ranks agree on the resume checkpoint after the process group exists "
+             "and before any rank reads or writes a file of the run; "
              "Lightning has no hook between the two, and the checkpoint path is a local of _run"),
     "_data_fetcher": ("training/resume/exact.py",
                       "a restored loader position needs a fresh iterator from the fetcher Lightning already started; "

@@ -1,5 +1,5 @@
-"""How `imgcls` reports errors: the user's mistakes (a config value, a file, a folder, an image), a lost peer and a
-file of the run that could not be written, each in one line that names the key or file
+"""How `imgcls` reports errors: the user's mistakes (a config value, a file, a folder, an image), a lost peer, a file
+of the run that could not be written and a run folder another fit holds, each in one line that names the key or file
 and the fix, without a traceback (IMGCLS_TRACEBACK=1 shows it); anything else with its traceback."""
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ from lightning_modules.network import WeightsDownloadError
 from training.resume.checkpoints import CheckpointWriteError, UnsafeCheckpointError
 from training.resume.disk import RunWriteError
 from training.resume.faults import NonFiniteLossError, error_in, lost_peer_message
+from training.resume.hold import RunFolderHeld
 
 # Errors caused by what the user gave us (config values, files, folders, a source whose extra is not installed)
 # or by the machine (weights it cannot download), reported in one line without a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError, UnsafeCheckpointError,
                NonFiniteLossError, WeightsDownloadError)
 # The exit codes besides 2 (USER_ERRORS) and 1 (a lost peer), from sysexits.h: a file of the run could not be written
-# or will not fit (EX_IOERR).
-EXIT_CODES = {RunWriteError: 74, CheckpointWriteError: 74}
+# or will not fit (EX_IOERR); another fit holds the run folder, and the same command succeeds once it has ended
+# (EX_TEMPFAIL: a wrapper or sweep can tell it from a bad config and retry).
+EXIT_CODES = {RunWriteError: 74, CheckpointWriteError: 74, RunFolderHeld: 75}
 _PACKAGES = tuple(str(Path(__file__).resolve().parents[2] / pkg) for pkg in ("core", "datamodules", "lightning_modules",
                                                                              "training", "deploy"))
 

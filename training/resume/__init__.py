@@ -3,8 +3,9 @@ exact.
 
 - checkpoints.py: the checkpoints a resume can trust (atomic writes, safe loads, intact files) and the one a fit
   resumes from (`resolve_resume`);
-- agreement.py: the ranks agree on rank 0's choice before any of them reads a checkpoint (`AgreedResume`, the
-  Trainer's base), then rank 0 tidies the folders; a write that fails stops the fit in one line (disk.py);
+- agreement.py: a fit's start on every rank (`AgreedResume`, the Trainer's base): rank 0 holds the run folder
+  (hold.py: one writer per run), the ranks agree on rank 0's checkpoint before any of them reads one, then rank 0
+  tidies the folders; a write that fails stops the fit in one line (disk.py);
 - disk.py: the room a run's checkpoints need, checked at a fit's start (`DiskSpace`), and the line of a failed write;
 - same_run.py: a fit continues a checkpoint only when it is the same run, unfinished (its refusals);
 - exact.py: the exact continuation of a run (`ExactResume`);
@@ -22,8 +23,8 @@ FENCE:
   applied to a fresh iterator;
 - `_TrainingEpochLoop._should_check_val_fx` (exact.py): whether a validation follows this batch;
 - `ModelCheckpoint._last_global_step_saved` (exact.py): the step each ModelCheckpoint last saved at;
-- `Trainer._run` (agreement.py): the ranks agree on the resume checkpoint between the process group's start and the
-  first read;
+- `Trainer._run` (agreement.py): the run folder is held, and the ranks agree on the resume checkpoint, between the
+  process group's start and the first read;
 - the loops' progress counters, `fit_loop.epoch_progress` and `fit_loop.epoch_loop.batch_progress` (exact.py,
   lr_plan.py): where in its epoch a resumed fit starts;
 - `trainer.lr_scheduler_configs` (lr_plan.py): the restored scheduler, replaced by the re-planned one;
