@@ -1,9 +1,11 @@
-"""Test-only fault injection: callbacks that SIGKILL their process, break a file, overflow a step, lose a state or fill
-the disk."""
+"""Test-only fault injection: callbacks that SIGKILL their process, break a file, overflow a step, lose a state, fill
+the disk, or pause a fit (and one that records which rank holds the run folder)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -118,3 +120,46 @@ def fill(path: Path, leave: int = 0) -> None:
             with contextlib.suppress(OSError):  # full: the next, smaller chunk fills what is left
                 while shutil.disk_usage(path.parent).free - chunk >= leave:
                     f.write(b"\0" * chunk)
+
+
+class PauseAt(Callback):
+    """After training step `step`, write `stamp` (this process's pid) and wait (up to `timeout` s) until the file
+    `until` exists: a fit that holds its run folder, still, while a test tries a second one. The checkpoints of step
+    `step` come after it (Lightning runs checkpoint callbacks last)."""
+
+    def __init__(self, step: int, stamp: str, until: str, timeout: float = 300.0) -> None:
+        self.step, self.stamp, self.until, self.timeout = step, stamp, until, timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            Path(self.stamp).write_text(str(os.getpid()))
+            deadline = time.monotonic() + self.timeout
+            while not os.path.exists(self.until) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+class HoldProbe(Callback):
+    """At the start of training, each rank writes `<out>/hold.rank<R>.json`: its pid, and, on a rank other than 0,
+    the run folder's lease and whether its lock is held by another process (rank 0 must not open the lock file: a
+    POSIX lock is released when its process closes any descriptor of the file)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from training.resume.hold import LOCK_FILE
+
+        record = {"rank": trainer.global_rank, "pid": os.getpid()}
+        if trainer.global_rank != 0:
+            fd = os.open(Path(trainer.default_root_dir) / LOCK_FILE, os.O_RDWR)
+            try:
+                record["lease"] = json.loads(os.pread(fd, 4096, 0).decode())
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    record["locked_by_another"] = False
+                except OSError:
+                    record["locked_by_another"] = True
+            finally:
+                os.close(fd)
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.out) / f"hold.rank{trainer.global_rank}.json").write_text(json.dumps(record))

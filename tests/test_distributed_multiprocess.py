@@ -400,3 +400,17 @@ def test_two_process_powersgd_fit_ends_its_process_groups_and_exits_0(tmp_path):
     assert "last checkpoint" in output and (run / "checkpoints" / "last.ckpt").is_file()
     at_exit = [json.loads((out / f"exit_rank{rank}.json").read_text()) for rank in range(2)]
     assert at_exit == [{"initialized": False, "distributed_threads": []}] * 2, at_exit
+
+
+def test_the_ranks_of_a_ddp_fit_hold_its_run_folder_once(tmp_path, folder):
+    """Only global rank 0 takes the hold: rank 1 (started by Lightning's launcher with the same command) finds the
+    lock held by rank 0 and the lease naming rank 0's process, and the job runs."""
+    out, run = tmp_path / "probe", tmp_path / "run"
+    run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY, "--data.root", str(folder),
+            "--data.batch_size", "4", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+            "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+            "--trainer.default_root_dir", str(run), "--trainer.callbacks+=tests.fault_injection.HoldProbe",
+            "--trainer.callbacks.out", str(out), env=cli_env(MASTER_PORT=str(free_port())), timeout=300)
+    rank0, rank1 = (json.loads((out / f"hold.rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["pid"] != rank1["pid"]
+    assert rank1["lease"]["pid"] == rank0["pid"] and rank1["locked_by_another"]
