@@ -32,6 +32,8 @@ class AgreedResume(L.Trainer):
         """
         super().__init__(*args, **kwargs)
         self.lease_timeout_s = float(lease_timeout_s)
+        # Lightning's default, the working directory, is no run's folder (a notebook's or a test's fit): nothing held.
+        self.run_folder_given = kwargs.get("default_root_dir") is not None
 
     def _run(self, model, ckpt_path=None, weights_only=None):
         # The one point after the processes exist and before any checkpoint is read; Lightning has no hook there.
@@ -57,7 +59,7 @@ class AgreedResume(L.Trainer):
     def _hold_run_folder(self):
         """Rank 0 holds the run folder for the fit; every rank stops when another fit holds it."""
         hold, refusal = RunHold(self.default_root_dir, self.lease_timeout_s), None
-        if self.is_global_zero:
+        if self.is_global_zero and self.run_folder_given:
             try:
                 hold.acquire()
             except RunFolderHeld as err:
