@@ -167,7 +167,7 @@ def test_a_second_fit_into_a_running_one_refuses_in_one_line_and_writes_nothing_
     # A lease renewed every 200 s: nothing of the first fit changes while it pauses.
     args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(run), "--trainer.lease_timeout_s", "600"]
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([concurrent_python(), "-m", "training.cli", *args, *pause], cwd=ROOT,
+        first = subprocess.Popen([concurrent_python(), "-m", "imgcls", *args, *pause], cwd=ROOT,
                                  env=cli_env(MASTER_PORT=str(free_port())), stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     try:
