@@ -27,8 +27,10 @@ from imgcls.commands import main as imgcls
 from tests.helpers import CONFIGS, ROOT, TINY, run_cli, start_cli, wandb_offline_env, wandb_run_record
 from training.callbacks import ModelCheckpoint
 from training.cli.app import cli_main
+from training.sweeps import command
 from training.sweeps.command import main as sweep
-from training.sweeps.command import print_table, remaining, write_best
+from training.sweeps.command import print_table, remaining, requeue, write_best
+from training.sweeps.loop import open_study, run_trials, take
 from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
 from training.sweeps.trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
 
@@ -96,8 +98,7 @@ def test_shipped_sweep_command_is_a_fit_that_logs_to_wandb(monkeypatch, capsys):
     assert printed["trainer"]["default_root_dir"] == "runs/sweeps/quickstart_lr"
 
 
-@pytest.mark.parametrize(("method", "sampler"), [("grid", optuna.samplers.GridSampler),
-                                                 ("random", optuna.samplers.RandomSampler),
+@pytest.mark.parametrize(("method", "sampler"), [("random", optuna.samplers.RandomSampler),
                                                  ("bayes", optuna.samplers.TPESampler)])
 def test_each_method_gets_its_optuna_sampler(tmp_path, method, sampler):
     sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path, method=method))
@@ -161,32 +162,54 @@ def test_grid_expands_ranges_and_args_match_wandb_format(tmp_path):
                                                                         "--model.optimizer.nesterov=True"]
 
 
-def test_grid_of_two_parameters_runs_each_combination_once(tmp_path):
-    """The 2x2 grid through the sweep's sampler, its suggestions and its count of points left, in memory (the sweep
-    test below runs a grid of trial processes, killed and resumed)."""
+def _in_memory(study, storage, objective) -> list[int]:
+    """Run the study's trials as a sweep worker does (training/sweeps/loop.py), `objective` in this process; the
+    numbers of the trials it ran. (A database server's URL: the take needs no lock file.)"""
+    ran = []
+    run_trials(study, storage, "postgresql://in-memory", objective, workers=1, fresh=lambda: False,
+               finished=lambda number, failure: ran.append(number))
+    return ran
+
+
+def test_grid_of_two_parameters_queues_each_combination_once(tmp_path):
+    """The 2x2 grid queued by the worker that creates its study, its suggestions and its count of points left; a
+    second worker finds the same queue, and one whose sweep file has another grid is refused (the sweep test below
+    runs a grid of trial processes, killed and resumed)."""
     sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path))
-    study = optuna.create_study(direction="maximize", sampler=make_sampler(sweep, seed=0))
-    assert remaining(study, sweep, None) == 4
-    study.optimize(lambda trial: suggest(trial, sweep)[LR], n_trials=4)
+    storage = optuna.storages.InMemoryStorage()
+    study, created = open_study(sweep, storage, seed=0, wait=1)
+    assert created and remaining(study, sweep, None) == 4
+    again, created = open_study(sweep, storage, seed=1, wait=1)
+    assert not created and len(again.trials) == 4  # the creator's queue, not another
+    assert sorted(_in_memory(study, storage, lambda trial: suggest(trial, sweep)[LR])) == [0, 1, 2, 3]
     points = [(t.params[LR], t.params[WD]) for t in study.trials]
     assert sorted(points) == [(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)]
-    assert remaining(study, sweep, None) == 0
+    assert remaining(study, sweep, None) == 0 and _in_memory(study, storage, lambda trial: 0.0) == []
+    other = load_sweep(write_sweep(tmp_path / "other.yaml", tmp_path, parameters={LR: {"values": [0.1]}}))
+    with pytest.raises(SystemExit, match=r"study grid2x2 runs the grid .*give the sweep another `name`"):
+        open_study(other, storage, seed=0, wait=1)
 
 
-def test_grid_counts_the_point_of_a_killed_and_retried_trial_once(tmp_path):
+def test_a_grid_point_killed_between_its_suggestions_is_retried_whole(tmp_path):
     """A sweep killed between a trial's two suggestions leaves that trial failed with one parameter of two; its retry
-    (a new number, the whole point) holds the point, so the point nobody took is still to run. (The killed and
-    resumed sweep below once ended a point short that way.) A trial still without all its parameters takes a point."""
+    (a new number) runs the whole point, and every other point once."""
     sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path))
-    study = optuna.create_study(direction="maximize")
-    space = {LR: CategoricalDistribution([0.02, 0.2]), WD: CategoricalDistribution([0.0, 0.05])}
-    study.add_trial(create_trial(params={LR: 0.02, WD: 0.0}, distributions=space, value=0.5))
-    study.add_trial(create_trial(params={LR: 0.2}, distributions={LR: space[LR]}, state=TrialState.FAIL))
-    study.add_trial(create_trial(params={LR: 0.2, WD: 0.05}, distributions=space, value=0.25,
-                                 system_attrs={"failed_trial": 1, "retry_history": [1]}))
-    assert remaining(study, sweep, None) == 2  # (0.02, 0.05) and (0.2, 0.0): 3 trials of a grid of 4 took 2
-    study.add_trial(create_trial(params={LR: 0.02}, distributions={LR: space[LR]}, state=TrialState.RUNNING))
-    assert remaining(study, sweep, None) == 1
+    storage = optuna.storages.InMemoryStorage()
+    study, _ = open_study(sweep, storage, seed=0, wait=1)
+
+    def killed_after_one(trial):
+        trial.suggest_categorical(LR, sweep.grid[LR])
+        raise KeyboardInterrupt  # the sweep's death, in the middle of suggest()
+
+    with pytest.raises(KeyboardInterrupt):
+        _in_memory(study, storage, killed_after_one)
+    assert study.trials[0].state == TrialState.FAIL and list(study.trials[0].params) == [LR]
+    assert requeue(study, sole_worker=True) == 1
+    ran = _in_memory(study, storage, lambda trial: suggest(trial, sweep)[LR])
+    assert sorted(ran) == [1, 2, 3, 4]
+    done = [(t.params[LR], t.params[WD]) for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(done) == [(0.02, 0.0), (0.02, 0.05), (0.2, 0.0), (0.2, 0.05)]
+    assert study.trials[4].params == {LR: study.trials[0].params[LR], WD: study.trials[4].params[WD]}
 
 
 @pytest.mark.parametrize("change, key", [
@@ -326,9 +349,9 @@ def _fake_trials(monkeypatch, prune: str = "") -> None:
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypatch, kind):
-    """Two sweeps on one study (two folders, as on two machines) stop at run_cap finished trials between them, not
-    at run_cap each: after each of its trials a sweep counts the study's. A trial already running then still
-    finishes, so two sweeps may end one trial over."""
+    """Two sweeps on one study (two folders, as on two machines) stop at run_cap trials between them, not at run_cap
+    each: before each new trial a sweep counts the study's finished and running ones, under the storage file's lock
+    with its ask, so neither goes over."""
     path = write_sweep(tmp_path / "random.yaml", tmp_path, name="capped", method="random", run_cap=3,
                        parameters={LR: {"min": 0.01, "max": 0.1}})
     both_started = threading.Barrier(2, timeout=120)
@@ -348,10 +371,9 @@ def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypat
         for sweep in sweeps:
             sweep.result()
     trials = optuna.load_study(study_name="capped", storage=open_storage(url)).trials
-    assert [t.state for t in trials].count(TrialState.COMPLETE) in (3, 4), [t.state for t in trials]
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
 
 
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed")  # the dead worker's trial, asked by hand
 def test_grid_worker_waits_for_a_dead_workers_trial_and_retries_it_once(tmp_path, monkeypatch, capsys):
     """A trial whose worker stopped sending heartbeats holds one grid point: the sweep runs the other points, waits
     instead of repeating that one, fails it once its heartbeat is --grace old, and runs its retry; one line says so.
@@ -367,16 +389,14 @@ def test_grid_worker_waits_for_a_dead_workers_trial_and_retries_it_once(tmp_path
 
     monkeypatch.setattr("training.sweeps.command.check_keys", lambda sweep: None)
     monkeypatch.setattr("training.sweeps.command.run_trial", trial_in_memory)
-    # The dead worker: it took trial 0's point and sent one heartbeat. It shares the file, as a live sweep holds its
-    # lock shared: this sweep is not alone there, so only the heartbeat tells that trial 0 is dead.
+    # The dead worker: it created the study, took trial 0's point and sent one heartbeat. It shares the file, as a
+    # live sweep holds its lock shared: this sweep is not alone there, so only the heartbeat tells that trial 0 is dead.
     storage = open_storage(url, heartbeat_interval=1, grace_period=2)
-    study = optuna.create_study(study_name="dead", storage=storage, direction="maximize",
-                                sampler=make_sampler(sweep, seed=0))
-    dead = study.ask()
+    study, _ = open_study(sweep, storage, seed=0, wait=1)
+    dead, dead_id = take(study, storage, url, fresh=lambda: False)
     suggest(dead, sweep)
     dead.set_user_attr("worker", "host-a pid 99")
-    storage.record_heartbeat(storage.get_trial_id_from_study_id_trial_number(
-        storage.get_study_id_from_name("dead"), dead.number))
+    storage.record_heartbeat(dead_id)
     with open(tmp_path / ".shared.db.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)
         sweep_main(["--config", str(path), "--out", str(out), "--storage", url, "--heartbeat", "1", "--grace", "2"])
@@ -498,3 +518,45 @@ def _status(pid: int) -> str:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/status").read_text()
     return "State:\tZ"  # gone between the two looks
+
+
+def workers_started_together(tmp_path: Path, monkeypatch, url: str, *, workers: int, points: list[float]) -> list:
+    """`workers` sweeps of one grid on the storage `url` (threads of this process, each with its own storage
+    connections and folder, as on as many machines), released at the same instant once each has parsed its sweep
+    file; their trials run in memory for a second. The study's trials once they have all ended."""
+    path = write_sweep(tmp_path / "grid.yaml", tmp_path, name="together",
+                       parameters={LR: {"values": points}, "trainer.max_epochs": {"value": 1}})
+    together = threading.Barrier(workers, timeout=120)
+    connect = command.connect
+
+    def connect_together(*args, **kwargs):
+        together.wait()
+        return connect(*args, **kwargs)
+
+    def trial_in_memory(trial, sweep, out, url, launcher):
+        params = suggest(trial, sweep)
+        trial.set_user_attr("run_dir", str(out / f"trial_{trial.number:04d}"))
+        trial.set_user_attr("config", yaml.safe_dump(params))
+        time.sleep(1)  # the others ask while it runs
+        return params[LR]
+
+    monkeypatch.setattr("training.sweeps.command.check_keys", lambda sweep: None)
+    monkeypatch.setattr("training.sweeps.command.connect", connect_together)
+    monkeypatch.setattr("training.sweeps.command.run_trial", trial_in_memory)
+    with ThreadPoolExecutor(workers) as pool:
+        sweeps = [pool.submit(sweep_main, ["--config", str(path), "--out", str(tmp_path / f"worker{i}"), "--storage",
+                                           url, "--heartbeat", "1", "--grace", "30"]) for i in range(workers)]
+        for done in sweeps:
+            done.result()
+    return optuna.load_study(study_name="together", storage=open_storage(url)).trials
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+@pytest.mark.parametrize("points", [[0.02], [0.02, 0.2]])
+def test_workers_started_together_run_each_grid_point_once(tmp_path, monkeypatch, kind, points):
+    """Workers that ask at the same instant each take a different point of the grid's queue, or none: no point runs
+    twice, and no trial is asked beyond the grid (tests/test_sweep_postgres.py: the same on PostgreSQL)."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}" if kind == "sqlite" else f"journal:///{tmp_path / 'shared.journal'}"
+    trials = workers_started_together(tmp_path, monkeypatch, url, workers=4, points=points)
+    assert sorted(t.params[LR] for t in trials) == points, [(t.number, t.state, t.params) for t in trials]
+    assert all(t.state == TrialState.COMPLETE for t in trials)

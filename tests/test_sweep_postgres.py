@@ -35,7 +35,7 @@ from tests.helpers import (
     wandb_offline_env,
 )
 from tests.postgres import Unavailable, ensure_installed, throwaway_server
-from tests.test_sweep import LR, WD, last_scalar, sweep_command, write_sweep
+from tests.test_sweep import LR, WD, last_scalar, sweep_command, workers_started_together, write_sweep
 
 HEARTBEAT, GRACE = 1, 5  # seconds: `imgcls sweep --heartbeat --grace`, shortened from the defaults in command.py
 
@@ -177,6 +177,16 @@ def _load(url: str):
     with contextlib.suppress(KeyError):  # not created yet
         return optuna.load_study(study_name="shared", storage=url)
     return None
+
+
+@pytest.mark.parametrize("points", [[0.02], [0.02, 0.2]])
+def test_workers_started_together_run_each_grid_point_once(tmp_path, monkeypatch, postgres, points):
+    """Four workers on one PostgreSQL database, released at the same instant, each take a different point of the
+    grid's queue or none (the row lock of the take): no point runs twice, and no trial is asked beyond the grid."""
+    url = postgres.database(f"together{len(points)}")
+    trials = workers_started_together(tmp_path, monkeypatch, url, workers=4, points=points)
+    assert sorted(t.params[LR] for t in trials) == points, [(t.number, t.state, t.params) for t in trials]
+    assert all(t.state == TrialState.COMPLETE for t in trials)
 
 
 def test_sweep_dashboard_lists_the_studys_trials(tmp_path, postgres):

@@ -9,17 +9,18 @@ Optuna journal file instead, for many workers on one machine (`--workers N`, or 
 append to it under a file lock, with no SQLite database lock to time out. It is not the default for `--workers > 1`
 because the storage would then follow `--workers`, and a sweep resumed with another count would find no trials.
 
-`run_cap` (or `--trials`) counts the finished (complete or pruned) trials of every worker of the study: a worker
-stops starting trials once it is reached (`MaxTrialsCallback`); a grid runs each of its points once instead.
-Rerunning the same command resumes: finished trials are kept, failed or interrupted ones are retried (through the
-database's heartbeat when another worker may still run them: every `--heartbeat` seconds while a trial runs, and a
-trial whose worker has sent none for `--grace` seconds is failed and queued again, saying so in one line; a journal
-has none, so a trial left running by a dead worker is retried by the next sweep that is alone on that journal). A
-grid worker with no point left to start waits for the points other workers run, to retry any whose worker dies.
-At the end a table sorted by the metric is printed and `<out>/best.yaml` is written: `imgcls fit --config
-<out>/best.yaml` reruns the best trial.
+A grid's points are queued in the study once, by the worker that creates it, and each is taken by one worker.
+`run_cap` (or `--trials`) counts the finished (complete or pruned) and running trials of every worker of the study:
+a worker starts a new trial only while they are fewer. Rerunning the same command resumes: finished trials are kept,
+failed or interrupted ones are retried (through the database's heartbeat when another worker may still run them:
+every `--heartbeat` seconds while a trial runs, and a trial whose worker has sent none for `--grace` seconds is
+failed and queued again, saying so in one line; a journal has none, so a trial left running by a dead worker is
+retried by the next sweep that is alone on that journal). A worker with no trial left to start waits for the trials
+other workers run, to retry any whose worker dies. At the end a table sorted by the metric is printed and
+`<out>/best.yaml` is written: `imgcls fit --config <out>/best.yaml` reruns the best trial.
 
-The sweep file's schema is in training/sweeps/space.py, one trial's process in training/sweeps/trial.py.
+The sweep file's schema is in training/sweeps/space.py, the queue and the loop that takes trials in
+training/sweeps/loop.py, one trial's process in training/sweeps/trial.py.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from pathlib import Path
 import yaml
 
 from training.records.secrets import redact_secrets
-from training.sweeps.space import Sweep, SweepFileError, check_keys, load_sweep, make_pruner, make_sampler
-from training.sweeps.trial import STORAGE_ENV_VAR, TrialFailed, open_storage, run_trial, storage_file
+from training.sweeps.loop import heartbeat_interval, new_trials, open_study, run_trials
+from training.sweeps.space import Sweep, SweepFileError, check_keys, load_sweep
+from training.sweeps.trial import STORAGE_ENV_VAR, open_storage, run_trial, storage_file
 
 # A database storage's heartbeat, and the age of a trial's last one at which it counts as dead (seconds): the defaults
 # of --heartbeat and --grace.
@@ -81,22 +83,12 @@ def connect(url: str, heartbeat: int, grace: int):
             time.sleep(1 + attempt)
 
 
-def open_study(sweep: Sweep, storage, seed: int | None):
-    import optuna
-
-    return optuna.create_study(study_name=sweep.name, storage=storage, direction=sweep.goal, load_if_exists=True,
-                               sampler=make_sampler(sweep, seed), pruner=make_pruner(sweep.hyperband))
-
-
-def requeue(storage, name: str, *, sole_worker: bool) -> int:
+def requeue(study, *, sole_worker: bool) -> int:
     """Queue a retry of every failed trial not yet retried; with `sole_worker` (no other sweep uses this storage
     file) trials left RUNNING by a killed sweep count as failed."""
-    import optuna
     from optuna.storages import RetryHeartbeatStaleTrialCallback
     from optuna.trial import TrialState
 
-    # tell() runs the sampler's after_trial, and a GridSampler's would stop an optimize loop that is not running.
-    study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler())
     if sole_worker:
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
@@ -110,24 +102,13 @@ def requeue(storage, name: str, *, sole_worker: bool) -> int:
 
 
 def remaining(study, sweep: Sweep, budget: int | None) -> int:
-    """Trials for this worker to start: a grid's points that no trial has taken yet, plus the queued retries; else
-    the budget less the finished trials of every worker."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    """Trials to run: a grid's queued points and retries; else the budget less the finished trials of every
+    worker."""
     from optuna.trial import TrialState
 
-    trials = study.get_trials(deepcopy=False)
     if sweep.method == "grid":
-        size = 1
-        for values in sweep.grid.values():
-            size *= len(values)
-        retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
-        started = [t for t in trials if t.state != TrialState.WAITING and t.number not in retried]
-        # A trial just asked has not all its parameters yet (one killed then keeps them so): it stands for the point
-        # its sampler picked. A retried one stands for none: its retry holds its point.
-        taken = {tuple(t.params[k] for k in sweep.grid) if t.params.keys() >= sweep.grid.keys() else t.number
-                 for t in started}
-        return max(0, size - len(taken)) + sum(t.state == TrialState.WAITING for t in trials)
-    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+        return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     return max(0, (budget or 0) - len(done))
 
 
@@ -235,18 +216,18 @@ def _try_lock(handle, kind: int) -> bool:
     return True
 
 
-def _retry_failed(held: contextlib.ExitStack, url: str, storage, name: str) -> int:
+def _retry_failed(held: contextlib.ExitStack, url: str, study) -> int:
     """requeue(), and a shared lock on the storage file held until `held` closes. Every sweep on the file holds it
     shared while it runs trials, so one that gets it exclusive is alone there: a trial still RUNNING was left by a
     killed sweep. A database server has heartbeats for that instead."""
     file = storage_file(url)
     if file is None:
-        return requeue(storage, name, sole_worker=False)
+        return requeue(study, sole_worker=False)
     lock = held.enter_context(open(file.with_name(f".{file.name}.lock"), "a"))
     alone = _try_lock(lock, fcntl.LOCK_EX)
     if not alone:
         fcntl.flock(lock, fcntl.LOCK_SH)  # waits while a sweep that is alone fails what killed ones left running
-    retried = requeue(storage, name, sole_worker=alone)
+    retried = requeue(study, sole_worker=alone)
     fcntl.flock(lock, fcntl.LOCK_SH)  # others may join now: the exclusive lock becomes a shared one
     return retried
 
@@ -256,44 +237,33 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
     """Retry what failed, run the trials left (each `[sys.executable, *launcher, "fit", ...]`), print the table and
     write best.yaml."""
     import optuna
-    from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # The sweep's own loop (training/sweeps/loop.py) asks new trials and records their heartbeats.
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     storage = connect(url, heartbeat, grace)
-    study = open_study(sweep, storage, seed)
-    retried = _retry_failed(held, url, storage, sweep.name)
+    study, _ = open_study(sweep, storage, seed, wait=grace)
+    retried = _retry_failed(held, url, study)
     todo = remaining(study, sweep, budget)
     print(f"sweep {sweep.name}: {todo} trial(s) to run ({retried} retried), {workers} at once; "
           f"storage {redact_secrets(url)}; trials in {out}", flush=True)
-
-    def all_taken(study, trial) -> None:
-        if remaining(study, sweep, budget) == 0:
-            study.stop()  # another ask would make the grid's sampler repeat a point that another worker runs
-
-    # The budget counts every worker's finished trials, read from the study after each trial.
-    stop = [all_taken] if sweep.method == "grid" else [MaxTrialsCallback(budget, states=(TrialState.COMPLETE,
-                                                                                          TrialState.PRUNED))]
+    fresh = new_trials(study, None if sweep.method == "grid" else budget, todo)
     waiting = False
     while True:
-        if todo > 0:
-            study.optimize(lambda trial: run_trial(trial, sweep, out, url, launcher), n_trials=todo, n_jobs=workers,
-                           catch=(TrialFailed,), callbacks=stop)
-            before, todo, waiting = todo, remaining(study, sweep, budget), False
-            if todo >= before or sweep.method != "grid":
-                break  # failures are retried by the next invocation, not in a loop here
-        elif sweep.method == "grid" and isinstance(storage, optuna.storages.RDBStorage) and (
-                running := study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
-            if not waiting:  # a database's heartbeats tell a dead worker's trial from a running one
-                print(f"sweep {sweep.name}: every point is taken; waiting for {len(running)} trial(s) of other "
-                      f"workers, to retry any whose worker sends no heartbeat for {grace} s", flush=True)
-                waiting = True
-            time.sleep(heartbeat)
-            optuna.storages.fail_stale_trials(study)
-            todo = remaining(study, sweep, budget)
-        else:
+        run_trials(study, storage, url, lambda trial: run_trial(trial, sweep, out, url, launcher), workers=workers,
+                   fresh=fresh, finished=lambda number, failure: failure and print(failure, flush=True))
+        # A database's heartbeats tell a dead worker's trial from a running one: wait to retry any such.
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if heartbeat_interval(
+            storage) else []
+        if not running:
             break
+        if not waiting:
+            print(f"sweep {sweep.name}: no trial left to start; waiting for {len(running)} trial(s) of other "
+                  f"workers, to retry any whose worker sends no heartbeat for {grace} s", flush=True)
+            waiting = True
+        time.sleep(heartbeat)
     print_table(study, sweep)
     best = write_best(study, sweep, out)
     print(f"best config: {best}  (rerun: imgcls fit --config {best})" if best else "no trial finished")

@@ -179,8 +179,8 @@ def check_keys(sweep: Sweep) -> None:
 def make_sampler(sweep: Sweep, seed: int | None):
     import optuna
 
-    if sweep.method == "grid":
-        return optuna.samplers.GridSampler(sweep.grid, seed=seed)
+    if sweep.method == "grid":  # every point is queued in the study (loop.open_study): the sampler draws none
+        return optuna.samplers.RandomSampler(seed=seed)
     if sweep.method == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
