@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import torch
 import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
+from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from imgcls.commands import main as imgcls
@@ -31,6 +33,7 @@ from training.sweeps import command
 from training.sweeps.command import main as sweep
 from training.sweeps.command import print_table, remaining, requeue, write_best
 from training.sweeps.loop import open_study, run_trials, take
+from training.sweeps.progress import SweepProgress, seconds
 from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
 from training.sweeps.trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
 
@@ -560,3 +563,44 @@ def test_workers_started_together_run_each_grid_point_once(tmp_path, monkeypatch
     trials = workers_started_together(tmp_path, monkeypatch, url, workers=4, points=points)
     assert sorted(t.params[LR] for t in trials) == points, [(t.number, t.state, t.params) for t in trials]
     assert all(t.state == TrialState.COMPLETE for t in trials)
+
+
+def test_a_sweep_prints_a_line_per_finished_trial(tmp_path, monkeypatch, capsys):
+    """Each finished trial's line: its outcome and value, the best so far, the trials done and left, its time and the
+    mean time per trial, as the study recorded them; on stdout that is no terminal, no progress bar."""
+    path = write_sweep(tmp_path / "grid.yaml", tmp_path, name="progress",
+                       parameters={LR: {"values": [0.01, 0.02, 0.04]}, "trainer.max_epochs": {"value": 1}})
+    _fake_trials(monkeypatch, prune="1")
+    url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    sweep(["--config", str(path), "--out", str(tmp_path / "sweep"), "--storage", url], launcher=FAKE_TRIAL)
+    trials = optuna.load_study(study_name="progress", storage=url).trials
+    took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in trials]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("trial ")]
+    mean = [seconds(sum(took[:n + 1]) / (n + 1)) for n in range(3)]
+    assert lines == [
+        f"trial 0 complete: val/acc 0.0200 | best 0.0200 (trial 0) | 1 of 3 done, 2 left | {seconds(took[0])}, "
+        f"{mean[0]} per trial",
+        f"trial 1 pruned: val/acc 0.0200 (its last report) | best 0.0200 (trial 0) | 2 of 3 done, 1 left | "
+        f"{seconds(took[1])}, {mean[1]} per trial",
+        f"trial 2 complete: val/acc 0.0800 | best 0.0800 (trial 2) | 3 of 3 done, 0 left | {seconds(took[2])}, "
+        f"{mean[2]} per trial",
+    ]
+
+
+def test_a_failed_trials_line_says_why_and_a_terminal_shows_a_bar(tmp_path):
+    """A failed trial's line names its failure and leaves the count done; on a terminal the same line stands above
+    rich's bar of the trials done."""
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", tmp_path, method="random", run_cap=4, metric={
+        "name": "val/loss", "goal": "minimize"}, parameters={LR: {"min": 0.01, "max": 0.1}}))
+    study = optuna.create_study(direction="minimize")
+    space = {LR: optuna.distributions.FloatDistribution(0.01, 0.1)}
+    for value in (0.5, 0.25):
+        study.add_trial(create_trial(params={LR: 0.05}, distributions=space, value=value))
+    study.add_trial(create_trial(params={LR: 0.05}, distributions=space, state=TrialState.FAIL))
+    screen = io.StringIO()
+    with SweepProgress(study, sweep, total=4, console=Console(file=screen, force_terminal=True, width=150)) as bar:
+        bar.finished(2, "trial 2 exited with 1; see trial_0002/fit.log")
+    shown = screen.getvalue()
+    assert ("trial 2 failed (trial 2 exited with 1; see trial_0002/fit.log) | best 0.2500 (trial 1) | 2 of 4 done, "
+            "2 left | 0 s, 0 s per trial") in shown
+    assert "sweep grid2x2" in shown and "2/4" in shown and "━" in shown  # rich's bar and its count

@@ -16,8 +16,9 @@ failed or interrupted ones are retried (through the database's heartbeat when an
 every `--heartbeat` seconds while a trial runs, and a trial whose worker has sent none for `--grace` seconds is
 failed and queued again, saying so in one line; a journal has none, so a trial left running by a dead worker is
 retried by the next sweep that is alone on that journal). A worker with no trial left to start waits for the trials
-other workers run, to retry any whose worker dies. At the end a table sorted by the metric is printed and
-`<out>/best.yaml` is written: `imgcls fit --config <out>/best.yaml` reruns the best trial.
+other workers run, to retry any whose worker dies. Each trial it finishes prints a line (progress.py). At the end a
+table sorted by the metric is printed and `<out>/best.yaml` is written: `imgcls fit --config <out>/best.yaml` reruns
+the best trial.
 
 The sweep file's schema is in training/sweeps/space.py, the queue and the loop that takes trials in
 training/sweeps/loop.py, one trial's process in training/sweeps/trial.py.
@@ -38,7 +39,8 @@ from pathlib import Path
 import yaml
 
 from training.records.secrets import redact_secrets
-from training.sweeps.loop import heartbeat_interval, new_trials, open_study, run_trials
+from training.sweeps.loop import grid_points, heartbeat_interval, new_trials, open_study, run_trials
+from training.sweeps.progress import SweepProgress
 from training.sweeps.space import Sweep, SweepFileError, check_keys, load_sweep
 from training.sweeps.trial import STORAGE_ENV_VAR, open_storage, run_trial, storage_file
 
@@ -249,21 +251,23 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
     todo = remaining(study, sweep, budget)
     print(f"sweep {sweep.name}: {todo} trial(s) to run ({retried} retried), {workers} at once; "
           f"storage {redact_secrets(url)}; trials in {out}", flush=True)
+    total = len(grid_points(sweep)) if sweep.method == "grid" else budget
     fresh = new_trials(study, None if sweep.method == "grid" else budget, todo)
     waiting = False
-    while True:
-        run_trials(study, storage, url, lambda trial: run_trial(trial, sweep, out, url, launcher), workers=workers,
-                   fresh=fresh, finished=lambda number, failure: failure and print(failure, flush=True))
-        # A database's heartbeats tell a dead worker's trial from a running one: wait to retry any such.
-        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if heartbeat_interval(
-            storage) else []
-        if not running:
-            break
-        if not waiting:
-            print(f"sweep {sweep.name}: no trial left to start; waiting for {len(running)} trial(s) of other "
-                  f"workers, to retry any whose worker sends no heartbeat for {grace} s", flush=True)
-            waiting = True
-        time.sleep(heartbeat)
+    with SweepProgress(study, sweep, total) as progress:
+        while True:
+            run_trials(study, storage, url, lambda trial: run_trial(trial, sweep, out, url, launcher),
+                       workers=workers, fresh=fresh, finished=progress.finished)
+            # A database's heartbeats tell a dead worker's trial from a running one: wait to retry any such.
+            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if heartbeat_interval(
+                storage) else []
+            if not running:
+                break
+            if not waiting:
+                print(f"sweep {sweep.name}: no trial left to start; waiting for {len(running)} trial(s) of other "
+                      f"workers, to retry any whose worker sends no heartbeat for {grace} s", flush=True)
+                waiting = True
+            time.sleep(heartbeat)
     print_table(study, sweep)
     best = write_best(study, sweep, out)
     print(f"best config: {best}  (rerun: imgcls fit --config {best})" if best else "no trial finished")
