@@ -66,6 +66,18 @@ class KillAt(Callback):
             self._maybe_kill(trainer)
 
 
+class SleepAt(Callback):
+    """Sleep `seconds` at the end of training step `step`, after any checkpoint of that step was written: a window in
+    which a test kills what runs this process (a sweep worker) while the fit is surely unfinished. A signal that
+    comes meanwhile is handled as it arrives; the sleep goes on."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            time.sleep(self.seconds)
+
 
 class BreakFile(Callback):
     """Overwrite `path` with bytes that are no image in the callbacks' `setup`: after the DataModule's setup (the scan),

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +27,17 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from imgcls.commands import main as imgcls
-from tests.helpers import CONFIGS, ROOT, TINY, run_cli, start_cli, wandb_offline_env, wandb_run_record
+from tests.helpers import (
+    CONFIGS,
+    ROOT,
+    TINY,
+    last_weights,
+    resume_config,
+    run_cli,
+    start_cli,
+    wandb_offline_env,
+    wandb_run_record,
+)
 from training.callbacks import ModelCheckpoint
 from training.cli.app import cli_main
 from training.sweeps import command
@@ -35,7 +46,15 @@ from training.sweeps.command import print_table, remaining, requeue, write_best
 from training.sweeps.loop import open_study, run_trials, take
 from training.sweeps.progress import SweepProgress, seconds
 from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_sampler, suggest, trial_args
-from training.sweeps.trial import EPOCH_KEY, PRUNED_KEY, TRIAL_ENV_VAR, open_storage, open_trial, trial_callback
+from training.sweeps.trial import (
+    EPOCH_KEY,
+    PRUNED_KEY,
+    TRIAL_ENV_VAR,
+    continued_run,
+    open_storage,
+    open_trial,
+    trial_callback,
+)
 
 # Optuna's heartbeat and retry API is experimental: `imgcls sweep` ignores the warnings it raises (run_sweep), so do
 # the tests that call its parts.
@@ -442,8 +461,8 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
 def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
     """The callback inside a trial process, on a journal file and driven by a stand-in Trainer: each epoch's metric,
     the pruning flag (cleared first: a retry inherits its predecessor's), and the final metrics (the newest
-    validation's, the best checkpoint's validation's at the fit's end, a closing validation's); what
-    tests/sweep_fake_trial.py stands in for."""
+    validation's, the best checkpoint's validation's at the fit's end, a closing validation's), and the step the fit
+    started from; what tests/sweep_fake_trial.py stands in for."""
     url = f"journal:///{tmp_path / 'sweep.journal'}"
     study = optuna.create_study(study_name="one", storage=open_storage(url), direction="maximize")
     trial = study.ask()
@@ -457,6 +476,9 @@ def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):
                               state=SimpleNamespace(fn="fit"), strategy=SimpleNamespace(broadcast=lambda x: x))
     callback.on_fit_start(trainer, None)
     assert study.trials[0].system_attrs[PRUNED_KEY] is False
+    trainer.global_step = 12  # restored from a checkpoint before the training starts: what a retry continued from
+    callback.on_train_start(trainer, None)
+    assert study.trials[0].user_attrs["start_step"] == 12
     for epoch in range(3):
         trainer.callback_metrics = {"val/acc": torch.tensor(0.25 * (epoch + 1)), "val/loss": torch.tensor(1.0)}
         callback.on_validation_end(trainer, SimpleNamespace(current_epoch=epoch))
@@ -604,3 +626,117 @@ def test_a_failed_trials_line_says_why_and_a_terminal_shows_a_bar(tmp_path):
     assert ("trial 2 failed (trial 2 exited with 1; see trial_0002/fit.log) | best 0.2500 (trial 1) | 2 of 4 done, "
             "2 left | 0 s, 0 s per trial") in shown
     assert "sweep grid2x2" in shown and "2/4" in shown and "━" in shown  # rich's bar and its count
+
+
+def _wait_until(what: str, ready, timeout: float, show):
+    deadline = time.monotonic() + timeout
+    while not (found := ready()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s\n{show()}")
+        time.sleep(0.1)
+    return found
+
+
+@pytest.mark.slow
+def test_a_dead_workers_trial_is_continued_by_its_retry_to_the_same_weights(tmp_path, digits_root):
+    """Worker a is killed (SIGKILL) in the middle of a trial; its trial's process, sent SIGTERM by that death, saves
+    preempted.ckpt and exits. Worker b, on the same SQLite study, fails the trial once its heartbeat is --grace old
+    and retries it in a's trial folder from that checkpoint (one line says so): past step 0, to the same final
+    weights, bitwise, and the same curve as an uninterrupted trial of the same point."""
+    config = tmp_path / "exact.yaml"  # fp32, deterministic kernels, a step checkpoint every 2 steps
+    config.write_text(yaml.safe_dump(resume_config(every_n_train_steps=2)))
+    command = ["${env}", "${interpreter}", "-m", "imgcls", "fit", "--config", str(config), "--data.root",
+               str(digits_root), "--data.batch_size", "16", "--trainer.limit_train_batches", "5",
+               "--trainer.limit_val_batches", "2", "${args}"]
+    # a's trial sleeps at the end of step 7, after step 6's checkpoint: its worker is killed while it surely runs
+    pause = ["--trainer.callbacks+=tests.fault_injection.SleepAt", "--trainer.callbacks.step", "7",
+             "--trainer.callbacks.seconds", "5"]
+    files = {name: write_sweep(tmp_path / f"{name}.yaml", digits_root, name=study,
+                               parameters={LR: {"values": [0.02]}, "trainer.max_epochs": {"value": 3}},
+                               command=command[:-1] + pause + command[-1:] if name == "a" else command)
+             for name, study in (("a", "continued"), ("b", "continued"), ("reference", "reference"))}
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    logs = {name: tmp_path / f"worker_{name}.log" for name in "ab"}
+
+    def start(name: str):
+        return start_cli("sweep", "--config", str(files[name]), "--out", str(tmp_path / name), "--storage", url,
+                         "--heartbeat", "1", "--grace", "5", log=logs[name])
+
+    def show() -> str:
+        return "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs.values() if log.is_file())
+
+    first = tmp_path / "a" / "trial_0000"
+    workers = {"a": start("a")}
+    try:
+        _wait_until("a's trial at step 6", (first / "checkpoints" / "step0000006.ckpt").is_file, 300, show)
+        os.kill(workers["a"].pid, signal.SIGKILL)
+        workers["a"].wait(timeout=30)
+        # The trial's process ends as a preempted one does, its worker gone (b starts after it: one writer)
+        preempted = first / "checkpoints" / "preempted.ckpt"
+        _wait_until("the trial's preempted.ckpt", lambda: f"SIGTERM received: saved {preempted} at step" in (
+            first / "fit.log").read_text(), 60, lambda: show() + (first / "fit.log").read_text()[-3000:])
+        workers["b"] = start("b")
+        assert workers["b"].wait(timeout=300) == 0, show()
+    finally:
+        for worker in workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
+    saved_at = torch.load(preempted, weights_only=True, map_location="cpu", mmap=True)["global_step"]
+    dead, retry = optuna.load_study(study_name="continued", storage=url).trials
+    assert (dead.state, retry.state, retry.system_attrs["failed_trial"]) == (TrialState.FAIL, TrialState.COMPLETE, 0)
+    assert retry.user_attrs["run_dir"] == dead.user_attrs["run_dir"] == str(first)
+    assert retry.user_attrs["start_step"] == saved_at >= 7, (saved_at, retry.user_attrs)  # step 7 paused
+    said = f"trial 1 retries trial 0: it continues that fit in {first} from step {saved_at} (preempted.ckpt)"
+    assert said in logs["b"].read_text().splitlines() and said in (first / "fit.log").read_text()
+    assert f"resuming from {preempted} (auto_resume)" in (first / "fit.log").read_text()
+
+    run_cli("sweep", "--config", str(files["reference"]), "--out", str(tmp_path / "reference"))
+    (reference,) = optuna.load_study(study_name="reference",
+                                     storage=f"sqlite:///{tmp_path / 'reference' / 'sweep.db'}").trials
+    assert retry.intermediate_values == reference.intermediate_values and set(retry.intermediate_values) == {0, 1, 2}
+    assert retry.value == reference.value
+    continued, uninterrupted = last_weights(first), last_weights(Path(reference.user_attrs["run_dir"]))
+    assert continued.keys() == uninterrupted.keys()
+    assert all(torch.equal(continued[k], uninterrupted[k]) for k in continued), "the continued trial's weights differ"
+
+
+def test_a_retry_continues_its_trials_folder_only_where_it_can(tmp_path):
+    """What a retry's fit continues: the retried trial's folder when this machine sees it and it holds an intact
+    checkpoint of an unfinished fit (auto_resume then picks that checkpoint); else a fresh folder from step 0, one
+    line saying why."""
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, direction="maximize")
+    space = {LR: CategoricalDistribution([0.02])}
+
+    def folder(name: str, *, step: int | None = None, max_epochs: int = 3) -> Path:
+        run = tmp_path / name
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "config.yaml").write_text(yaml.safe_dump({"trainer": {"max_epochs": max_epochs, "max_steps": -1}}))
+        if step is not None:  # what a checkpoint says of its run, read without its weights
+            torch.save({"global_step": step, "state_dict": {"w": torch.zeros(1)},
+                        "loops": {"fit_loop": {"epoch_progress": {"current": {"processed": step // 5}}}}},
+                       run / "checkpoints" / f"step{step:07d}.ckpt")
+        return run
+
+    runs = {"gone": tmp_path / "other_machine" / "trial_0000", "empty": folder("empty"),
+            "running": folder("running", step=8), "finished": folder("finished", step=15, max_epochs=3)}
+    for run in runs.values():
+        study.add_trial(create_trial(params={LR: 0.02}, distributions=space, state=TrialState.FAIL,
+                                     user_attrs={"run_dir": str(run)}))
+    study.add_trial(create_trial(state=TrialState.WAITING))  # a grid point never run: no retry
+    assert requeue(study, sole_worker=False) == 4
+    said = {}
+    while (taken := take(study, storage, "postgresql://in-memory", fresh=lambda: False)) is not None:
+        said[taken[0].number] = continued_run(taken[0])
+    host = socket.gethostname()
+    assert said == {
+        4: (None, ""),
+        5: (None, f"trial 5 retries trial 0 from step 0: its run folder {runs['gone']} is not on this machine "
+                  f"({host}), which sees no shared file system there"),
+        6: (None, f"trial 6 retries trial 1 from step 0: {runs['empty']} holds no intact checkpoint"),
+        7: (runs["running"], f"trial 7 retries trial 2: it continues that fit in {runs['running']} from step 8 "
+                             "(step0000008.ckpt)"),
+        8: (None, f"trial 8 retries trial 3 from step 0: its fit in {runs['finished']} had finished (max_epochs=3 "
+                  "reached)"),
+    }

@@ -114,11 +114,13 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
         os.kill(workers["a"].pid, signal.SIGKILL)
         workers["a"].wait(timeout=30)
         _wait_for("worker a's trial process to die with it", lambda: not _live_processes(workers["a"].pid), 30, show)
-        # Machine a is gone: what it wrote is searched for the password now, and its disk is out of b's reach.
-        assert list(roots["a"].rglob("*.wandb")), "no W&B run to search"
-        leaked = _files_holding(postgres.password, roots["a"], logs["a"])
+        # Machine a is gone: its disk is out of b's reach at once (b retries a's trial once its heartbeat is --grace
+        # old), and what it wrote is searched for the password.
+        gone = roots["a"].rename(tmp_path / "machine_a_gone")
+        assert list(gone.rglob("*.wandb")), "no W&B run to search"
+        leaked = _files_holding(postgres.password, gone, logs["a"])
         assert not leaked
-        shutil.rmtree(roots["a"])
+        shutil.rmtree(gone)
         assert workers["b"].wait(timeout=300) == 0, show()
     finally:
         for worker in workers.values():
@@ -141,6 +143,9 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
     assert len(announced) == 1 and re.fullmatch(
         rf"trial {running.number} \(.*\) is retried as trial {retry.number}: its worker \(\S+ pid "
         rf"{workers['a'].pid}\) sent no heartbeat for {GRACE} s", announced[0]), out[-3000:]
+    # The retry cannot continue a's trial folder, on a's disk: it starts over in b's, and says why.
+    assert (f"trial {retry.number} retries trial {running.number} from step 0: its run folder "
+            f"{running.user_attrs['run_dir']} is not on this machine") in out, out[-3000:]
 
     # b's best.yaml reruns the best trial, also one that ran on a (the study holds its config), and gets its metric.
     best = study.best_trial

@@ -62,16 +62,62 @@ class TrialFailed(RuntimeError):
     """The trial's `imgcls fit` exited with an error (its log is in the trial folder)."""
 
 
+def continued_run(trial) -> tuple[Path | None, str]:
+    """For a retry (a trial queued again because the one before failed or lost its worker): that trial's run folder,
+    where the retry's fit goes on from the newest intact checkpoint (auto_resume, an exact resume), or None to start
+    from step 0; and the line that says which, and why not."""
+    history = trial.study.get_trials(deepcopy=False)[trial.number].system_attrs.get("retry_history", [])
+    if not history:
+        return None, ""
+    start = f"trial {trial.number} retries trial {history[-1]}"
+    folder = trial.user_attrs.get("run_dir")  # the retried trial's, copied into its retry
+    if folder is None:
+        return None, f"{start} from step 0: it had no run folder yet"
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None, (f"{start} from step 0: its run folder {folder} is not on this machine ({socket.gethostname()}), "
+                      "which sees no shared file system there")
+    import yaml
+
+    from training.records.saved_run import SavedRun
+    from training.resume.checkpoints import UnsafeCheckpointError, newest_intact_checkpoint
+    from training.resume.same_run import finished
+
+    newest, _ = newest_intact_checkpoint(folder / "checkpoints")
+    if newest is None:
+        return None, f"{start} from step 0: {folder} holds no intact checkpoint"
+    try:
+        saved = SavedRun.read(newest)
+    except (UnsafeCheckpointError, ValueError) as err:
+        return None, f"{start} from step 0: {newest} cannot be read ({err})"
+    config = folder / "config.yaml"
+    trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {} if config.is_file() else {}
+    why = finished(saved, trainer.get("max_epochs"), trainer.get("max_steps", -1))
+    if why:  # its worker died after the fit's end: a resume would train nothing
+        return None, f"{start} from step 0: its fit in {folder} had finished ({why})"
+    return folder, f"{start}: it continues that fit in {folder} from step {saved.global_step} ({newest.name})"
+
+
 def run_trial(trial, sweep: Sweep, out: Path, url: str, launcher: Sequence[str]) -> float:
-    """Run one trial as an `imgcls fit` process in `<out>/trial_NNNN`, `[sys.executable, *launcher, "fit", ...]`; its
-    result is the metric of the final validation of its best checkpoint. Raises TrialPruned if the pruner stopped it,
-    TrialFailed if it failed."""
+    """Run one trial as an `imgcls fit` process in `<out>/trial_NNNN` (a retry: in the folder of the trial it retries,
+    where it can go on there), `[sys.executable, *launcher, "fit", ...]`; its result is the metric of the final
+    validation of its best checkpoint. Raises TrialPruned if the pruner stopped it, TrialFailed if it failed."""
     params = suggest(trial, sweep)
-    run_dir = out / f"trial_{trial.number:04d}"
+    continued, said = continued_run(trial)
+    if said:
+        print(said, flush=True)
+    run_dir = continued or out / f"trial_{trial.number:04d}"
     trial.set_user_attr("run_dir", str(run_dir))
-    trial.set_user_attr("final_metrics", {})  # a retry copies its predecessor's attributes: start clean
-    trial.set_user_attr("worker", f"{socket.gethostname()} pid {os.getpid()}")  # named if it dies mid-trial
-    args = [*sweep.fixed_args, *trial_args(params), f"--trainer.default_root_dir={run_dir}"]
+    for key, value in (("final_metrics", {}), ("start_step", None)):  # a retry copies its predecessor's: start clean
+        trial.set_user_attr(key, value)
+    # Named if it dies mid-trial; set after the two above, so that once it names this worker they are this trial's.
+    trial.set_user_attr("worker", f"{socket.gethostname()} pid {os.getpid()}")
+    if continued:  # the epochs that fit validated before, so that the trial's curve is whole
+        trials = trial.study.get_trials(deepcopy=False)
+        for step, value in trials[trials[trial.number].system_attrs["retry_history"][-1]].intermediate_values.items():
+            trial.report(value, step)
+    args = [*sweep.fixed_args, *trial_args(params), f"--trainer.default_root_dir={run_dir}",
+            *(["--auto_resume=true"] if continued else [])]
     env = dict(os.environ)
     # The storage URL may hold a password: it goes through the environment, never into a command line or config.
     env[TRIAL_ENV_VAR] = json.dumps({"storage": url, "study": sweep.name, "trial_number": trial.number,
@@ -79,7 +125,8 @@ def run_trial(trial, sweep: Sweep, out: Path, url: str, launcher: Sequence[str])
     env.setdefault("WANDB_RUN_GROUP", sweep.name)  # wandb runs of one sweep share a group
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "fit.log", "w") as log:
+    with open(run_dir / "fit.log", "a" if continued else "w") as log:  # a continued fit's log goes on too
+        log.write(f"{said}\n" if continued else "")
         log.write(f"imgcls fit {' '.join(args)}\n")
         log.flush()
         # sys.executable read at each start, as Lightning's launcher reads it for each DDP rank
@@ -141,6 +188,10 @@ def trial_callback():
             if trainer.is_global_zero:  # a retry copies its predecessor's system attributes: start clean
                 for key, value in ((INTERMEDIATE_KEY, {}), (PRUNED_KEY, False)):
                     self.trial.storage.set_trial_system_attr(self.trial_id, key, value)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            if trainer.is_global_zero:  # after a resume's restore: the step this fit continues from (0 when fresh)
+                self.trial.set_user_attr("start_step", trainer.global_step)
 
         def on_fit_end(self, trainer, pl_module) -> None:
             # training.callbacks.ModelCheckpoint's (not imported: sweeps sit beside callbacks, not above them)
