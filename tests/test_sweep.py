@@ -643,8 +643,9 @@ def test_a_dead_workers_trial_is_continued_by_its_retry_to_the_same_weights(tmp_
     preempted.ckpt and exits. Worker b, on the same SQLite study, fails the trial once its heartbeat is --grace old
     and retries it in a's trial folder from that checkpoint (one line says so): past step 0, to the same final
     weights, bitwise, and the same curve as an uninterrupted trial of the same point."""
-    config = tmp_path / "exact.yaml"  # fp32, deterministic kernels, a step checkpoint every 2 steps
-    config.write_text(yaml.safe_dump(resume_config(every_n_train_steps=2)))
+    # fp32, deterministic kernels, a step checkpoint every 2 steps; no auto_resume of its own: the retry asks for it
+    config = tmp_path / "exact.yaml"
+    config.write_text(yaml.safe_dump({**resume_config(every_n_train_steps=2), "auto_resume": False}))
     command = ["${env}", "${interpreter}", "-m", "imgcls", "fit", "--config", str(config), "--data.root",
                str(digits_root), "--data.batch_size", "16", "--trainer.limit_train_batches", "5",
                "--trainer.limit_val_batches", "2", "${args}"]
