@@ -620,7 +620,7 @@ def test_a_failed_trials_line_says_why_and_a_terminal_shows_a_bar(tmp_path):
         study.add_trial(create_trial(params={LR: 0.05}, distributions=space, value=value))
     study.add_trial(create_trial(params={LR: 0.05}, distributions=space, state=TrialState.FAIL))
     screen = io.StringIO()
-    with SweepProgress(study, sweep, total=4, console=Console(file=screen, force_terminal=True, width=150)) as bar:
+    with SweepProgress(study, sweep, total=4, console=Console(file=screen, force_terminal=True, width=80)) as bar:
         bar.finished(2, "trial 2 exited with 1; see trial_0002/fit.log")
     shown = screen.getvalue()
     assert ("trial 2 failed (trial 2 exited with 1; see trial_0002/fit.log) | best 0.2500 (trial 1) | 2 of 4 done, "

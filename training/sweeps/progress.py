@@ -90,4 +90,4 @@ class SweepProgress:
                 return
             done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
             self.bar.update(self.task, completed=done)
-            self.bar.console.print(line, markup=False, highlight=False)
+            self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)  # one line, as without a bar
