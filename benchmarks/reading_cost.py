@@ -122,9 +122,10 @@ def traced_files(tree: Path, data: Path, run: Path, quick: bool) -> dict[str, li
     return {key: sorted(str(Path(f).relative_to(tree)) for f in files) for key, files in seen.items()}
 
 
-def measure(tree: Path, data: Path, run: Path, quick: bool) -> dict:
-    print(f"reading cost: a traced 2-step fit of {tree}", flush=True)
-    traced = traced_files(tree, data, run, quick)
+def measure(tree: Path, data: Path, run: Path, quick: bool, trace: bool = True) -> dict:
+    """What a reader opens in `tree`; without `trace`, only what reading its files tells (a quick run's older tree)."""
+    print(f"reading cost: {'a traced 2-step fit of ' if trace else 'the files of '}{tree}", flush=True)
+    traced = traced_files(tree, data, run, quick) if trace else {}
     imported = module_imports(tree)
     return {"packages": package_lines(tree),
             "imports": {"modules": imported, "lines": sum(lines(path_of(tree, m)) for m in imported)},
@@ -139,20 +140,23 @@ def main(quick: bool = False) -> dict:
         before = Path(tmp) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(before), BEFORE], cwd=ROOT, check=True)
         try:
-            trees = {"before": measure(before, data, Path(tmp) / "run-before", quick),
+            # quick: the older tree's files only; its fit is traced by a full run
+            trees = {"before": measure(before, data, Path(tmp) / "run-before", quick, trace=not quick),
                      "now": measure(ROOT, data, Path(tmp) / "run-now", quick)}
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
     return {"before_commit": BEFORE, **trees}
 
 
+def _files(part: dict | None) -> str:
+    return f"{len(part['files'])} ({part['lines']:,})" if part else "not traced (quick)"
+
+
 def render(r: dict) -> tuple[str, str]:
     old, now = r["before"], r["now"]
-    rows = [["one training step: files run (lines)", f"{len(old['step']['files'])} ({old['step']['lines']:,})",
-             f"{len(now['step']['files'])} ({now['step']['lines']:,})"],
-            ["a whole fit, config to last checkpoint: files run (lines)",
-             f"{len(old['fit']['files'])} ({old['fit']['lines']:,})",
-             f"{len(now['fit']['files'])} ({now['fit']['lines']:,})"],
+    rows = [["one training step: files run (lines)", _files(old.get("step")), _files(now.get("step"))],
+            ["a whole fit, config to last checkpoint: files run (lines)", _files(old.get("fit")),
+             _files(now.get("fit"))],
             ["modules the model and the default data source import (lines)",
              f"{len(old['imports']['modules'])} ({old['imports']['lines']:,})",
              f"{len(now['imports']['modules'])} ({now['imports']['lines']:,})"]]

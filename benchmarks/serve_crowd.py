@@ -222,7 +222,7 @@ def within_margin(r: dict) -> bool:
 def main(quick: bool = False) -> dict:
     from benchmarks.serve import write_folder
 
-    clients, seconds, warmup = (16, 8, 4) if quick else (64, 60, 15)
+    clients, seconds, warmup = (8, 4, 2) if quick else (64, 60, 15)
     arch, size = ("resnet18", 32) if quick else ("resnet50", 224)
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folder(Path(tmp) / "model", arch, size)
