@@ -61,7 +61,7 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
     assert set(skipped.values()) <= ({"peer"} if os.environ.get("CI") == "true" else {"peer", "postgresql"}), skipped
     origins = [r["provenance"] for r in records.values()]
     assert all(re.fullmatch(r"[0-9a-f]{40}", o["commit"]) and isinstance(o["clean"], bool) for o in origins)
-    assert all("pytest" in o["command"] and {"torch", "lightning"} <= set(o["versions"]) for o in origins)
+    assert all(o["command"] and {"torch", "lightning"} <= set(o["versions"]) for o in origins)  # xdist: its worker
     assert records["recipe"]["provenance"]["log_tail"], "the section's own output, kept in its record"
     text = out.read_text()
     assert re.search(r"Rendered from .* quick mode .* Measured on .* cores", text)
