@@ -268,6 +268,11 @@ def test_weights_that_cannot_be_downloaded_are_one_line_naming_the_offline_file(
      "(model.loss.class_path: torch.nn.CrossEntropyLoss)"),
     (["--data.train_transform.auto_augmnt", "augmix"], "--data.train_transform.auto_augmnt is not an option; did "
      "you mean --data.train_transform.auto_augment"),
+    # a value of the wrong type: a plain one, one of a union, a restricted number's, a bool
+    (["--trainer.max_epochs", "x"], "trainer.max_epochs='x' is not an int or null"),
+    (["--data.batch_size", "x"], "data.batch_size='x' is not an int"),
+    (["--data.val_split", "a"], "data.val_split='a' is not a number"),
+    (["--auto_resume", "maybe"], "auto_resume='maybe' is not true or false"),
 ])
 def test_a_parse_error_is_one_line_not_a_usage_page(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:

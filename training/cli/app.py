@@ -20,8 +20,8 @@ config sets `freeze.epochs`). A run keeps one `training.callbacks.ModelCheckpoin
 The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
 `datamodules.ImageFolderDataModule`; docs/EXTENDING.md, "Data source").
 Beside it in training/cli/: what a command takes from a checkpoint (from_checkpoint.py), how the model, data and
-loggers are built (instantiators.py), one-line errors (errors.py, parse_errors.py). The run directory and the closing
-summary are in training/records/run_dir.py.
+loggers are built (instantiators.py), one-line errors (errors.py; a parse error's in core/parse_errors.py, which every
+command's parser shares). The run directory and the closing summary are in training/records/run_dir.py.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
+from core.parse_errors import OneLineErrorParser
 from datamodules import ClassificationData, CsvDataModule, HFDataModule, ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
@@ -61,7 +62,6 @@ from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
 from training.callbacks.checkpoint import names_subclass, one_run_checkpoint
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
-from training.cli.parse_errors import OneLineErrorParser
 from training.cli.preflight import check_batch_norm, check_input_side, check_monitored
 from training.distributed.strategy import destroy_process_groups
 from training.records.loggers import wandb_online
@@ -102,6 +102,10 @@ _ConfigDumper.add_multi_representer(int, lambda dumper, value: dumper.represent_
 _ConfigDumper.add_multi_representer(float, lambda dumper, value: dumper.represent_float(float(value)))
 set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_flow_style=False, allow_unicode=True,
                                           sort_keys=False))
+
+
+class _Parser(OneLineErrorParser, LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one line."""
 
 
 class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
@@ -287,7 +291,7 @@ def cli_main(args: list[str] | None = None, trainer_defaults: dict | None = None
             trainer_defaults={"callbacks": [*fault_callbacks(), *(trainer_defaults or {}).get("callbacks", [])]},
             auto_configure_optimizers=False,  # the model owns its optimizer and schedule (typed, in its signature)
             parser_kwargs={"epilog": epilog, "formatter_class": _HelpFormatter},
-            parser_class=OneLineErrorParser,
+            parser_class=_Parser,
         )
     except SystemExit:  # Preemption's exit after its checkpoint, which every rank agreed on (or --help: no group yet)
         destroy_process_groups()

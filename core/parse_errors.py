@@ -1,11 +1,12 @@
-"""Every parse error of `imgcls` in one line that names the key and the fix, not a page of usage.
+"""Every parse error of `imgcls` in one line that names the key and the fix, not a page of usage: of LightningCLI's
+parser (fit, validate, test, predict: training/cli/app.py) and of every other command's (core/command_line.py).
 
 jsonargparse hands its errors over as text only (its structured `error_handler` is deprecated since 4.20 in favour of
 argparse's `exit_on_error`), so the hook is argparse's documented one: the parser's `error` method, on the parser class
-LightningCLI takes as `parser_class`. The rewriting reads the message jsonargparse writes, one pattern per kind:
-a value out of its range or choices (worded as `core.config_types.check_arguments` words it: `data.image_size=16 is
-below 32`), a key nobody takes (with the closest ones), a misspelt class, and a value given to a class chosen by
-class_path (with its key in full)."""
+of every command (LightningCLI takes it as `parser_class`). The rewriting reads the message jsonargparse writes, one
+pattern per kind: a value out of its range or choices (worded as `core.config_types.check_arguments` words it:
+`data.image_size=16 is below 32`), a value of the wrong type, a key nobody takes (with the closest ones), a misspelt
+class, and a value given to a class chosen by class_path (with its key in full)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ import re
 import sys
 
 from jsonargparse import ArgumentParser
-from lightning.pytorch.cli import LightningArgumentParser
 
 from core.config_types import RULES
 
 _RULE_BY_NAME = {kind.__name__: rule for kind, rule in RULES.items()}
+# A value of the wrong type: what it should have been, by the name jsonargparse gives its type.
+_KINDS = {"int": "an int", "float": "a number", "bool": "true or false", "str": "a string", "NoneType": "null"}
+_KINDS |= {kind.__name__: _KINDS["int" if issubclass(kind, int) else "float"] for kind in RULES}  # PositiveInt: an int
 
 
-class OneLineErrorParser(LightningArgumentParser):
-    """LightningCLI's parser, whose errors are one line on stderr (exit 2) ending with where `--help` is."""
+class OneLineErrorParser(ArgumentParser):
+    """jsonargparse's parser, whose errors are one line on stderr (exit 2) ending with where `--help` is."""
 
     def error(self, message: str, ex: Exception | None = None):
         parser = getattr(ex, "subcommand_parser", None) or self
@@ -46,6 +49,11 @@ def one_line_error(message: str, parser: ArgumentParser) -> str:
     if in_file:
         return unknown_key_message(in_file[3] if in_file[1] == "Subcommand" else f"{in_file[2]}.{in_file[3]}",
                                    parser_keys(parser))
+    # A config's, of a command without groups; the same words from a class's parser tried inside another are left
+    # for class_path_error to read.
+    in_file = re.fullmatch(r"Option '([\w.]+)' is not accepted", message)
+    if in_file and parser.exit_on_error:
+        return f"{unknown_key_message(in_file[1], parser_keys(parser))} (in a --config file)"
     if "has no attribute" in message and (misspelt := class_path_error(message)):
         return misspelt
     worded = callable_error_message(plain_parser_error(message))
@@ -83,18 +91,31 @@ def class_keys(class_path: str) -> list[str]:
 
 def plain_parser_error(message: str) -> str:
     """A value out of its type's range or choices ('Parser key "model.lr": ... Not of type PositiveFloat: -0.1 does
-    not conform to restriction v>0') as `check_arguments` words it ('model.lr=-0.1 must be positive'), and a choice
-    not in a long Literal (model.net.arch) with the closest names instead of all of them."""
+    not conform to restriction v>0') as `check_arguments` words it ('model.lr=-0.1 must be positive'), a choice
+    not in a long Literal (model.net.arch) with the closest names instead of all of them, and a value of the wrong
+    type ("port='x' is not an int")."""
     key = re.match(r'Parser key "([^"]+)":', message)
+    # A restricted number given a word (data.batch_size x): jsonargparse says only what int() or float() said.
+    not_number = re.search(r"Not of type \w+: (?:invalid literal for (int)\(\) with base 10|could not convert string "
+                           r"to (float)): (.*)$", message, re.MULTILINE)
     value = re.search(r"Not of type \w+: (\S+) does not conform|(?:Given|Got) value: (.*)$", message, re.MULTILINE)
+    if key is not None and not_number is not None and value is None:
+        return f"{key.group(1)}={not_number.group(3)} is not {_KINDS[not_number.group(1) or not_number.group(2)]}"
     if key is None or value is None:
         return message
     key, value = key.group(1), value.group(1) or value.group(2)
     shown = value if re.fullmatch(r"[-+.\deE]+", value) else repr(value)
+    kinds = expected_kinds(message)
+    if not_number is not None and kinds is not None:  # one of a union's types (serve's devices: an int or auto)
+        return f"{key}={shown} is not {' or '.join(kinds)}"
     rules = [rule for name, rule in _RULE_BY_NAME.items() if f"Not of type {name}:" in message]
     if rules:
         return f"{key}={shown} {rules[0]}" + (", or null" if "NoneType" in message else "")
     literal = re.search(r"typing\.Literal\[([^\]]*)\]", message)
+    # A Literal (or a Literal or null) keeps the hint of its closest names; one with a plain type beside it is worded
+    # by its kinds (`devices='x' is not an int or auto`).
+    if kinds is not None and (literal is None or any(k in _KINDS.values() and k != "null" for k in kinds)):
+        return f"{key}={shown} is not {' or '.join(kinds)}"
     if literal is None:
         return message
     names = re.findall(r"'([^']*)'", literal.group(1))
@@ -103,6 +124,25 @@ def plain_parser_error(message: str) -> str:
     if not close and len(names) > 12:
         hint = f"choose one of the {len(names)} names that `--help` lists"
     return f"{key}={shown} is unknown; {hint}"
+
+
+def expected_kinds(message: str) -> list[str] | None:
+    """What a value of the wrong type should have been, in words (`an int`, `null`, a Literal's names), from
+    jsonargparse's 'Expected a <class 'int'>' or its list of a Union's subtypes; None when one of them is a class
+    other than the plain ones of _KINDS (a data source's union, whose error subclass_error_message words)."""
+    listed = re.search(r"Subtypes: \[(.*)\]", message)
+    expected = re.findall(r"Expected an? (<class '[\w.]+'>|typing\.Literal\[[^\]]*\])", message)
+    text = listed.group(1) if listed else " ".join(expected)
+    kind = r"<class '([\w.]+)'>|typing\.Literal\[([^\]]*)\]"
+    if re.sub(kind, "", text).strip(", "):  # a type of no such word (a Callable)
+        return None
+    kinds = []
+    for plain, literal in re.findall(kind, text):
+        plain = plain.removeprefix("jsonargparse.typing.")
+        if plain and plain not in _KINDS:
+            return None
+        kinds.append(_KINDS[plain] if plain else " or ".join(re.findall(r"'([^']*)'", literal)))
+    return kinds or None
 
 
 def class_path_error(message: str) -> str | None:
