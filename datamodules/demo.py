@@ -7,15 +7,18 @@ composited several to an image as a multi-label dataset (a labels.csv per split)
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import tempfile
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from core.command_line import parse_settings
+from core.config_types import PositiveInt
 
 MANIFEST = "demo_manifest.json"
 SPLITS = {"train": 0.8, "val": 0.1, "test": 0.1}
@@ -125,14 +128,23 @@ def build_multilabel_demo_data(out_dir: str | os.PathLike, *, size: int = 64, se
     return out
 
 
+@dataclass
+class DemoDataSettings:
+    """The settings of `imgcls demo-data`."""
+
+    out_dir: str
+    """folder to create, e.g. data/digits"""
+    _: KW_ONLY
+    size: PositiveInt = 64
+    """side of the written PNGs in pixels"""
+    seed: int = 0
+    """seed of the stratified split"""
+    multilabel: bool = False
+    """1 to 3 digits per image, labels in <split>/labels.csv (multi-label classification)"""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="imgcls demo-data", description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", help="folder to create, e.g. data/digits")
-    parser.add_argument("--size", type=int, default=64, help="side of the written PNGs in pixels (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the stratified split (default 0)")
-    parser.add_argument("--multilabel", action="store_true",
-                        help="1 to 3 digits per image, labels in <split>/labels.csv (multi-label classification)")
-    args = parser.parse_args(argv)
+    args = parse_settings(DemoDataSettings, argv, prog="imgcls demo-data", description=__doc__)
     build = build_multilabel_demo_data if args.multilabel else build_demo_data
     out = build(args.out_dir, size=args.size, seed=args.seed)
     counts = json.loads((out / MANIFEST).read_text())["counts"]

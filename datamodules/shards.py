@@ -8,7 +8,6 @@ prepare-data`), and the data source that trains from them (`ShardsDataModule`) w
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -25,6 +24,8 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming.downloader import get_downloader
 from litdata.streaming.sampler import ChunkedIndex
 
+from core.command_line import parse_settings
+from core.config_types import PositiveInt
 from core.seeding import draw_seed, run_seed, seeded_cpu_draws
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.datasets import UnreadableImageError
@@ -265,15 +266,27 @@ class ShardsDataModule(ImageData):
 # ---- the command ------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class PrepareDataSettings:
+    """The settings of `imgcls prepare-data`."""
+
+    src: str
+    """image folder: train/ (val/, test/) of class folders, or labels.csv splits"""
+    out_dir: str
+    """new folder for the shards: out_dir/{train,val,test}/ and imgcls-shards.json"""
+    _: dataclasses.KW_ONLY
+    num_workers: PositiveInt | None = None
+    """conversion processes (default: CPU count)"""
+    val_split: float = 0.1
+    """without val/: fraction of train/ held out"""
+    split_seed: int = 0
+    """seed of that split and of the write order"""
+    chunk_bytes: str = "64MB"
+    """size of each chunk file"""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="imgcls prepare-data", description=__doc__.splitlines()[0])
-    parser.add_argument("src", help="image folder: train/ (val/, test/) of class folders, or labels.csv splits")
-    parser.add_argument("out_dir", help="new folder for the shards: out_dir/{train,val,test}/ and " + META)
-    parser.add_argument("--num_workers", type=int, default=None, help="conversion processes (default: CPU count)")
-    parser.add_argument("--val_split", type=float, default=0.1, help="without val/: fraction of train/ held out")
-    parser.add_argument("--split_seed", type=int, default=0, help="seed of that split and of the write order")
-    parser.add_argument("--chunk_bytes", default="64MB", help="size of each chunk file (default 64MB)")
-    args = parser.parse_args(argv)
+    args = parse_settings(PrepareDataSettings, argv, prog="imgcls prepare-data", description=__doc__)
     meta = prepare_data(args.src, args.out_dir, num_workers=args.num_workers, val_split=args.val_split,
                         split_seed=args.split_seed, chunk_bytes=args.chunk_bytes)
     counts = ", ".join(f"{split} {n}" for split, n in meta["counts"].items())

@@ -13,22 +13,24 @@ model.json lists it step by step: the torchvision eval transform of the training
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from core.command_line import parse_settings
 from datamodules.transforms import CONTRACT_VALUES, default_contract, eval_pipeline, name_of
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
 from training.records.saved_run import SavedRun, checkpoint_file
 from training.resume.checkpoints import UnsafeCheckpointError
 
-FORMATS = ("onnx", "pt2")
+Format = Literal["onnx", "pt2"]
+FORMATS = Format.__args__
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +111,21 @@ def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -
     return path
 
 
+@dataclass
+class ExportSettings:
+    """The settings of `imgcls export`."""
+
+    _: KW_ONLY
+    ckpt_path: str
+    """checkpoint written by imgcls fit"""
+    format: Format = "onnx"
+    """onnx, or pt2 (a torch.export program)"""
+    out: str | None = None
+    """output folder (default: <run>/export next to checkpoints/)"""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="imgcls export", description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by imgcls fit")
-    parser.add_argument("--format", default="onnx", choices=FORMATS)
-    parser.add_argument("--out", help="output folder (default: <run>/export next to checkpoints/)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_settings(ExportSettings, argv, prog="imgcls export", description=__doc__)
     try:
         path = export(args.ckpt_path, args.format, args.out)
     except (FileNotFoundError, ValueError, UnsafeCheckpointError) as err:

@@ -10,18 +10,19 @@ The folder loads back without the checkpoint (`ImageClassifier.from_pretrained(F
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
 import sys
 import tempfile
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from core.command_line import parse_settings
 from deploy.export import evaluation_contract
 from lightning_modules.pretrained import (
     CONFIG_FILE,
@@ -334,14 +335,23 @@ def _limits_lines(names: list[str], dataset: str, multilabel: bool, scores: dict
     return lines
 
 
+@dataclass
+class PublishSettings:
+    """The settings of `imgcls publish`."""
+
+    out_dir: str
+    """the model folder to write (new or empty, unless --overwrite)"""
+    _: KW_ONLY
+    ckpt_path: str
+    """checkpoint written by imgcls fit, e.g. RUN/checkpoints/last.ckpt"""
+    threshold: float | None = None
+    """multi-label models: predict a class at or above this"""
+    overwrite: bool = False
+    """replace the model files of an existing OUT_DIR"""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="imgcls publish", description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", help="the model folder to write (new or empty, unless --overwrite)")
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by imgcls fit, e.g. RUN/checkpoints/"
-                                                           "last.ckpt")
-    parser.add_argument("--threshold", type=float, help="multi-label models: predict a class at or above this")
-    parser.add_argument("--overwrite", action="store_true", help="replace the model files of an existing OUT_DIR")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_settings(PublishSettings, argv, prog="imgcls publish", description=__doc__)
     from training.resume.checkpoints import UnsafeCheckpointError
 
     try:

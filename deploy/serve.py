@@ -12,7 +12,6 @@ schema and the error table. The preprocessing is the model's evaluation transfor
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import io
@@ -20,12 +19,15 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import litserve as ls
 import torch
+
+from core.command_line import parse_settings
+from core.config_types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 log = logging.getLogger("imgcls.serve")
 
@@ -319,7 +321,40 @@ def device_count(accelerator: str, devices: int | str) -> int:
     return torch.cuda.device_count() if devices == "auto" else int(devices)
 
 
-def build_server(args: argparse.Namespace) -> ls.LitServer:
+@dataclass
+class ServeSettings:
+    """The settings of `imgcls serve`."""
+
+    model: str
+    """a model folder of imgcls publish, or a checkpoint of imgcls fit"""
+    _: KW_ONLY
+    host: str = "127.0.0.1"
+    """0.0.0.0 to answer other machines"""
+    port: NonNegativeInt = 8000
+    """the HTTP port"""
+    max_batch_size: PositiveInt = 32
+    """requests per forward pass, at most"""
+    batch_timeout: NonNegativeFloat = 0.01
+    """seconds a batch waits to fill up"""
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    """where the model runs (auto: cuda if there is one)"""
+    devices: PositiveInt | Literal["auto"] = "auto"
+    """GPUs to use (auto: all)"""
+    workers_per_device: PositiveInt | None = None
+    """inference processes per device (default: by the cores)"""
+    top_k: PositiveInt = 5
+    """labels per answer (single-label)"""
+    threshold: float | None = None
+    """multi-label: the folder's threshold, or this"""
+    max_bytes: PositiveInt = DEFAULT_MAX_BYTES
+    """largest body accepted (else 413)"""
+    max_pixels: PositiveInt = DEFAULT_MAX_PIXELS
+    """largest image accepted (else 413)"""
+    timeout: PositiveFloat = 30
+    """seconds a request may wait before a 504"""
+
+
+def build_server(args: ServeSettings) -> ls.LitServer:
     accelerator = args.accelerator
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
@@ -339,37 +374,15 @@ def build_server(args: argparse.Namespace) -> ls.LitServer:
                         timeout=args.timeout, middlewares=[(ImageBody, {"max_bytes": args.max_bytes})])
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="imgcls serve", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="a model folder of imgcls publish, or a checkpoint of imgcls fit")
-    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to answer other machines")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max_batch_size", type=int, default=32, help="requests per forward pass, at most")
-    p.add_argument("--batch_timeout", type=float, default=0.01, help="seconds a batch waits to fill up")
-    p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--devices", default="auto", help="GPUs to use (auto: all)")
-    p.add_argument("--workers_per_device", type=int, help="inference processes per device (default: by the cores)")
-    p.add_argument("--top_k", type=int, default=5, help="labels per answer (single-label)")
-    p.add_argument("--threshold", type=float, help="multi-label: the folder's threshold, or this")
-    p.add_argument("--max_bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest body accepted (else 413)")
-    p.add_argument("--max_pixels", type=int, default=DEFAULT_MAX_PIXELS, help="largest image accepted (else 413)")
-    p.add_argument("--timeout", type=float, default=30, help="seconds a request may wait before a 504")
-    return p
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_settings(ServeSettings, argv, prog="imgcls serve", description=__doc__)
     from training.resume.checkpoints import UnsafeCheckpointError
 
     try:
         check_model_path(args.model, args.threshold)
-        if args.max_batch_size < 1 or args.batch_timeout < 0:
-            raise ValueError("--max_batch_size must be >= 1 and --batch_timeout >= 0")
-        devices = args.devices if args.devices == "auto" else int(args.devices)
     except (FileNotFoundError, ValueError, UnsafeCheckpointError) as err:
         print(f"imgcls serve: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    args.devices = devices
     server = build_server(args)
     server.run(host=args.host, port=args.port, generate_client_file=False, num_api_servers=1)
 

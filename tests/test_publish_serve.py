@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yaml
 from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.torch import load_file
@@ -152,15 +153,21 @@ def test_publish_refuses_in_one_line_and_keeps_what_is_there(folder, trained, tm
 
 @contextmanager
 def serving(model: Path, log: Path, *args: str):
-    """`imgcls serve MODEL ARGS` as a process of its own (forked by the preloaded server through its launcher) on a
-    free loopback port, with the OpenMP wait left to imgcls: (its URL once /health answers, its port, which its
-    processes' environment holds as IMGCLS_TEST_SERVE); killed with its workers at the end."""
+    """`imgcls serve MODEL ARGS` on a free loopback port (served): (its URL once /health answers, its port)."""
     port = free_port()
+    with served(log, port, str(model), "--port", str(port), *args) as url:
+        yield url, port
+
+
+@contextmanager
+def served(log: Path, port: int, *args: str):
+    """`imgcls serve ARGS`, answering on `port`, as a process of its own (forked by the preloaded server through its
+    launcher) with the OpenMP wait left to imgcls: its URL once /health answers; its processes' environment holds
+    the port as IMGCLS_TEST_SERVE; killed with its workers at the end."""
     env = {k: v for k, v in cli_env(IMGCLS_TEST_SERVE=str(port)).items() if k not in SPIN_SETTINGS}
     with open(log, "w") as out:
-        proc = subprocess.Popen([concurrent_python(), "-m", "imgcls", "serve", str(model), "--port", str(port),
-                                 *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([concurrent_python(), "-m", "imgcls", "serve", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -173,7 +180,7 @@ def serving(model: Path, log: Path, *args: str):
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        yield url, port
+        yield url
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -189,6 +196,24 @@ def server(folder, tmp_path_factory):
 
 def post(url: str, **kwargs) -> httpx.Response:
     return httpx.post(f"{url}/predict", timeout=60, **kwargs)
+
+
+def test_serve_settings_printed_to_a_file_serve_from_it_alone(folder, images, tmp_path):
+    """`imgcls serve FOLDER OPTIONS --print_config` writes a YAML from which `imgcls serve --config FILE` serves the
+    same: the file's model on the file's port, with its batching and its top_k."""
+    port = free_port()
+    printed = run_cli("serve", str(folder), "--port", str(port), "--max_batch_size", "3", "--batch_timeout", "0.05",
+                      "--top_k", "2", "--print_config").stdout
+    settings = yaml.safe_load(printed)
+    assert (settings["model"], settings["port"], settings["max_batch_size"], settings["batch_timeout"],
+            settings["top_k"], settings["host"]) == (str(folder), port, 3, 0.05, 2, "127.0.0.1")
+    (tmp_path / "serve.yaml").write_text(printed)
+    image = next(p for p in sorted(images.iterdir()) if p.suffix == ".png")
+    with served(tmp_path / "serve.log", port, "--config", str(tmp_path / "serve.yaml")) as url:
+        answers = [post(url, content=image.read_bytes(), headers={"Content-Type": "image/png"}) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [len(a.json()["predictions"][0]["top_k"]) for a in answers] == [2, 2]
+    assert "max_batch_size 3, batch_timeout 0.05 s" in (tmp_path / "serve.log").read_text()
 
 
 def test_served_labels_equal_predict_and_batches_form(server, folder, images, tmp_path):

@@ -6,16 +6,17 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
-import sys
 from collections import defaultdict
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import yaml
+
+from core.command_line import parse_settings
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], sorted by step
 
@@ -139,11 +140,19 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     return path
 
 
+@dataclass
+class ReportSettings:
+    """The settings of `imgcls report`."""
+
+    run_dir: str
+    """a run directory (trainer.default_root_dir), e.g. runs/quickstart"""
+    _: KW_ONLY
+    out: str | None = None
+    """output folder (default <run_dir>/report)"""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="imgcls report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", help="a run directory (trainer.default_root_dir), e.g. runs/quickstart")
-    parser.add_argument("--out", help="output folder (default <run_dir>/report)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_settings(ReportSettings, argv, prog="imgcls report", description=__doc__)
     try:
         path = report(args.run_dir, args.out)
     except FileNotFoundError as err:
