@@ -96,7 +96,7 @@ def one_death(url: str, folder: Path, sweeps: dict[str, Path], heartbeat: int, g
     def start(name: str) -> None:
         with open(logs[name], "w") as sink:
             workers[name] = subprocess.Popen(
-                [sys.executable, "-m", "imgcls", "sweep", "--config", str(sweeps[name]), "--out", str(folder / name),
+                [sys.executable, "-m", "imgcls", "sweep", str(sweeps[name]), "--out", str(folder / name),
                  "--heartbeat", str(heartbeat), "--grace", str(grace)],
                 cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 

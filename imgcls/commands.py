@@ -2,7 +2,7 @@
 of EXTRA_COMMANDS, each a `main(argv)` in the room that owns it.
 
     imgcls fit --config configs/quickstart.yaml
-    imgcls sweep --config configs/sweeps/quickstart_lr.yaml
+    imgcls sweep configs/sweeps/quickstart_lr.yaml
 
 This room names every other and none names it: what a command needs from up here is handed to it (HANDED).
 """

@@ -49,6 +49,7 @@ from training.sweeps.space import SweepFileError, load_sweep, make_pruner, make_
 from training.sweeps.trial import (
     EPOCH_KEY,
     PRUNED_KEY,
+    STORAGE_ENV_VAR,
     TRIAL_ENV_VAR,
     continued_run,
     open_storage,
@@ -255,7 +256,7 @@ def test_misspelt_parameter_path_fails_before_any_trial(tmp_path, digits_root, m
                        parameters={"model.lrr": {"values": [0.1, 0.2]}})
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit, match=r"model\.lrr"):
-        sweep_main(["--config", str(path), "--out", str(tmp_path / "out")])
+        sweep_main([str(path), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()  # nothing started
 
 
@@ -290,7 +291,7 @@ def test_grid_sweep_killed_and_resumed_runs_each_point_once_and_best_yaml_reprod
     out = tmp_path / "sweep"
     db = out / "sweep.db"
     log = tmp_path / "first_run.log"
-    args = ["sweep", "--config", str(path), "--out", str(out)]
+    args = ["sweep", str(path), "--out", str(out)]
 
     # 1. Start the grid sweep and kill it (the whole process group, as Ctrl-C or a job scheduler would) once
     #    the first trial has finished and the second one is running.
@@ -351,7 +352,7 @@ def test_two_workers_run_two_trials_at_once_in_one_wandb_group(tmp_path, digits_
                        command=sweep_command(digits_root, CONFIGS / "loggers" / "wandb.yaml"))
     out = tmp_path / "sweep"
     env = wandb_offline_env()
-    proc = run_cli("sweep", "--config", str(path), "--out", str(out), "--workers", "2", "--seed", "0", env=env)
+    proc = run_cli("sweep", str(path), "--out", str(out), "--workers", "2", "--seed", "0", env=env)
     trials = _trials(out / "sweep.db", "random2")
     assert len(trials) == 2 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials), \
         proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -388,7 +389,7 @@ def test_run_cap_holds_across_two_sweeps_sharing_one_storage(tmp_path, monkeypat
     monkeypatch.setattr("training.sweeps.command.write_best", lambda study, sweep, out: None)  # no run folders here
     url = f"sqlite:///{tmp_path / 'shared.db'}" if kind == "sqlite" else f"journal:///{tmp_path / 'shared.journal'}"
     with ThreadPoolExecutor(2) as pool:
-        sweeps = [pool.submit(sweep_main, ["--config", str(path), "--out", str(tmp_path / f"sweep{i}"),
+        sweeps = [pool.submit(sweep_main, [str(path), "--out", str(tmp_path / f"sweep{i}"),
                                            "--storage", url, "--seed", str(i)]) for i in range(2)]
         for sweep in sweeps:
             sweep.result()
@@ -421,7 +422,7 @@ def test_grid_worker_waits_for_a_dead_workers_trial_and_retries_it_once(tmp_path
     storage.record_heartbeat(dead_id)
     with open(tmp_path / ".shared.db.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)
-        sweep_main(["--config", str(path), "--out", str(out), "--storage", url, "--heartbeat", "1", "--grace", "2"])
+        sweep_main([str(path), "--out", str(out), "--storage", url, "--heartbeat", "1", "--grace", "2"])
     trials = optuna.load_study(study_name="dead", storage=url).trials
     assert [t.state for t in trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 4
     done = sorted((t.params[LR], t.params[WD]) for t in trials[1:])
@@ -441,7 +442,7 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
     _fake_trials(monkeypatch, prune="1")
     monkeypatch.setenv("FAKE_TRIAL_MEET", "2")  # the first two overlap however slowly the processes start
     url, out = f"journal:///{tmp_path / 'sweep.journal'}", tmp_path / "sweep"
-    sweep(["--config", str(path), "--out", str(out), "--workers", "2", "--seed", "0", "--storage", url],
+    sweep([str(path), "--out", str(out), "--workers", "2", "--seed", "0", "--storage", url],
           launcher=FAKE_TRIAL)
     trials = optuna.load_study(study_name="journal2", storage=open_storage(url)).trials
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.COMPLETE]
@@ -456,6 +457,28 @@ def test_journal_storage_serves_two_trial_processes_at_once(tmp_path, monkeypatc
     # which lr depends on how the two workers' asks interleave).
     best = max((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
     assert f"trial {best.number}," in (out / "best.yaml").read_text().splitlines()[0]
+
+
+def test_sweep_settings_printed_to_a_file_run_the_same_sweep(tmp_path, monkeypatch, capsys):
+    """`imgcls sweep FILE OPTIONS --print_config` writes a YAML from which `imgcls sweep --config` alone runs the
+    sweep those options run: the same trials (the seeded sampler's parameters, their outcomes)."""
+    path = write_sweep(tmp_path / "random.yaml", tmp_path, name="settings", method="random", run_cap=5,
+                       parameters={LR: {"min": 0.01, "max": 0.1}})
+    _fake_trials(monkeypatch)
+    monkeypatch.delenv(STORAGE_ENV_VAR, raising=False)
+    options = ["--trials", "2", "--seed", "3", "--heartbeat", "5", "--grace", "60"]
+    with pytest.raises(SystemExit) as exit_info:
+        sweep([str(path), "--out", str(tmp_path / "from_file"), *options, "--print_config"], launcher=FAKE_TRIAL)
+    assert exit_info.value.code == 0 and not (tmp_path / "from_file").exists()
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed) == {"sweep_file": str(path), "out": str(tmp_path / "from_file"), "storage": None,
+                                       "workers": 1, "trials": 2, "seed": 3, "heartbeat": 5, "grace": 60}
+    (tmp_path / "sweep.yaml").write_text(printed)
+    sweep(["--config", str(tmp_path / "sweep.yaml")], launcher=FAKE_TRIAL)
+    sweep([str(path), "--out", str(tmp_path / "from_options"), *options], launcher=FAKE_TRIAL)
+    ran = [[(t.params, t.state, t.value) for t in _trials(tmp_path / name / "sweep.db", "settings")]
+           for name in ("from_file", "from_options")]
+    assert len(ran[0]) == 2 and ran[0] == ran[1], ran
 
 
 def test_trial_callback_leaves_what_the_sweep_reads(tmp_path, monkeypatch):

@@ -83,7 +83,7 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
     logs = {name: tmp_path / f"worker_{name}.log" for name in roots}
 
     def args(name: str) -> list[str]:
-        return ["sweep", "--config", str(path), "--out", str(roots[name]), "--heartbeat", str(HEARTBEAT),
+        return ["sweep", str(path), "--out", str(roots[name]), "--heartbeat", str(HEARTBEAT),
                 "--grace", str(GRACE)]
 
     # Both workers and their trials are forked by the preloaded server. Worker a is a command of its own: its pid, in

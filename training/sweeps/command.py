@@ -1,6 +1,7 @@
 """`imgcls sweep`: a hyperparameter sweep described in the W&B sweep schema, run locally by Optuna.
 
-    imgcls sweep --config configs/sweeps/quickstart_lr.yaml [--workers 2] [--storage postgresql://...]
+    imgcls sweep configs/sweeps/quickstart_lr.yaml [--workers 2] [--storage postgresql://...]
+    imgcls sweep --config my_sweep_settings.yaml     # these settings in a file: `sweep_file: ...`, `workers: 2`, ...
 
 Each trial is an ordinary `imgcls fit` run (a subprocess, so a crash or an out-of-memory kill costs one trial, not
 the sweep) in `<out>/trial_NNNN/`. Trials live in an Optuna study: by default a SQLite file `<out>/sweep.db`; any
@@ -26,18 +27,21 @@ training/sweeps/loop.py, one trial's process in training/sweeps/trial.py.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
+import itertools
 import os
 import sys
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import yaml
 
+from core.command_line import parse_settings
+from core.config_types import PositiveInt
 from training.records.secrets import redact_secrets
 from training.sweeps.loop import grid_points, heartbeat_interval, new_trials, open_study, run_trials
 from training.sweeps.progress import SweepProgress
@@ -169,30 +173,52 @@ def print_table(study, sweep: Sweep) -> None:
 
 # ---- the command ------------------------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="imgcls sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="sweep file in the W&B sweep schema")
-    parser.add_argument("--out", help="sweep folder (default runs/sweeps/<name>)")
-    parser.add_argument("--storage", default=os.environ.get(STORAGE_ENV_VAR),
-                        help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/sweep.db), or "
-                             "journal:///<path> for a journal file (many workers on one machine); also read from "
-                             f"${STORAGE_ENV_VAR}, which keeps a password off the command line")
-    parser.add_argument("--workers", type=int, default=1, help="trials run at once on this machine")
-    parser.add_argument("--trials", type=int, help="trials of a random/bayes sweep (default: run_cap)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    parser.add_argument("--heartbeat", type=int, default=HEARTBEAT, metavar="SECONDS",
-                        help="a database storage's heartbeat: how often a worker says that its trials still run "
-                             "(default %(default)s)")
-    parser.add_argument("--grace", type=int, default=GRACE, metavar="SECONDS",
-                        help="a trial whose worker has sent no heartbeat for this long is failed and retried "
-                             "(default %(default)s); give every worker of a sweep the same --heartbeat and --grace")
-    return parser
+@dataclass
+class SweepSettings:
+    """The settings of `imgcls sweep` (its own `--config` holds these; the trials' configs are in the sweep file)."""
+
+    sweep_file: str
+    """sweep file in the W&B sweep schema, e.g. configs/sweeps/quickstart_lr.yaml"""
+    _: KW_ONLY
+    out: str | None = None
+    """sweep folder (default runs/sweeps/<name>)"""
+    storage: str | None = None
+    """Optuna storage: an SQLAlchemy URL (default $IMGCLS_SWEEP_STORAGE, which keeps a password off the command line
+    and out of configs, else sqlite:///<out>/sweep.db), or journal:///<path> for a journal file (many workers on one
+    machine)"""
+    workers: PositiveInt = 1
+    """trials run at once on this machine"""
+    trials: PositiveInt | None = None
+    """trials of a random/bayes sweep (default: run_cap)"""
+    seed: int | None = None
+    """seed of the sampler"""
+    heartbeat: PositiveInt = HEARTBEAT
+    """seconds: a database storage's heartbeat, how often a worker says that its trials still run"""
+    grace: PositiveInt = GRACE
+    """seconds: a trial whose worker has sent no heartbeat for this long is failed and retried; give every worker of
+    a sweep the same heartbeat and grace"""
 
 
-def _load(args: argparse.Namespace) -> tuple[Sweep, int | None]:
+def _sweep_file_as_settings(argv: list[str]) -> None:
+    """Exits naming the fix when a `--config` of `argv` is a sweep file (`method` and `parameters`, the W&B schema):
+    --config takes this command's settings, the sweep file comes first."""
+    paths = [value for flag, value in itertools.pairwise([*argv, ""]) if flag == "--config"]
+    paths += [flag.partition("=")[2] for flag in argv if flag.startswith("--config=")]
+    for path in paths:
+        try:
+            text = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # the parser says what is wrong with it
+        if isinstance(text, dict) and {"method", "parameters"} <= text.keys():
+            print(f"imgcls sweep: error: {path} is a sweep file: run `imgcls sweep {path}`; --config takes the "
+                  "settings of imgcls sweep itself (`imgcls sweep --print_config` shows them)", file=sys.stderr)
+            raise SystemExit(2)
+
+
+def _load(args: SweepSettings) -> tuple[Sweep, int | None]:
     """The checked sweep file and its budget of finished trials (None for a grid); exits naming the key at fault."""
     try:
-        sweep = load_sweep(args.config)
+        sweep = load_sweep(args.sweep_file)
         budget = args.trials or sweep.run_cap
         if sweep.method != "grid" and budget is None:
             raise SweepFileError(f"{sweep.path}: `run_cap` is missing; a {sweep.method} sweep needs a number of "
@@ -200,10 +226,8 @@ def _load(args: argparse.Namespace) -> tuple[Sweep, int | None]:
         check_keys(sweep)
     except SweepFileError as err:
         raise SystemExit(f"error: {err}") from None
-    if args.workers < 1:
-        raise SystemExit("error: --workers must be at least 1")
-    if not 0 < args.heartbeat < args.grace:
-        raise SystemExit(f"error: --heartbeat ({args.heartbeat}) must be positive and below --grace ({args.grace}), "
+    if not args.heartbeat < args.grace:
+        raise SystemExit(f"error: --heartbeat ({args.heartbeat}) must be below --grace ({args.grace}), "
                          "or every trial would look dead between two heartbeats")
     return sweep, budget
 
@@ -276,11 +300,13 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
 def main(argv: list[str] | None = None, *, launcher: Sequence[str]) -> None:
     """`imgcls sweep ARGV`; `launcher`, what starts a trial's `imgcls fit` process after `sys.executable` (handed
     down by the command on top: `-m imgcls.trial`)."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _sweep_file_as_settings(argv)
+    args = parse_settings(SweepSettings, argv, prog="imgcls sweep", description=__doc__)
     sweep, budget = _load(args)
     out = Path(args.out or Path("runs/sweeps") / sweep.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    url = args.storage or f"sqlite:///{out / 'sweep.db'}"
+    url = args.storage or os.environ.get(STORAGE_ENV_VAR) or f"sqlite:///{out / 'sweep.db'}"
     with contextlib.ExitStack() as held:
         if not _try_lock(held.enter_context(open(out / ".sweep.lock", "w")), fcntl.LOCK_EX):
             raise SystemExit(f"error: another `imgcls sweep` runs in {out}; use --workers N to run trials in "
