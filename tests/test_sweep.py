@@ -474,7 +474,7 @@ def test_sweep_settings_printed_to_a_file_run_the_same_sweep(tmp_path, monkeypat
     assert yaml.safe_load(printed) == {"sweep_file": str(path), "out": str(tmp_path / "from_file"), "storage": None,
                                        "workers": 1, "trials": 2, "seed": 3, "heartbeat": 5, "grace": 60}
     (tmp_path / "sweep.yaml").write_text(printed)
-    sweep(["--config", str(tmp_path / "sweep.yaml")], launcher=FAKE_TRIAL)
+    sweep([str(tmp_path / "sweep.yaml")], launcher=FAKE_TRIAL)
     sweep([str(path), "--out", str(tmp_path / "from_options"), *options], launcher=FAKE_TRIAL)
     ran = [[(t.params, t.state, t.value) for t in _trials(tmp_path / name / "sweep.db", "settings")]
            for name in ("from_file", "from_options")]
@@ -592,7 +592,7 @@ def workers_started_together(tmp_path: Path, monkeypatch, url: str, *, workers: 
     monkeypatch.setattr("training.sweeps.command.connect", connect_together)
     monkeypatch.setattr("training.sweeps.command.run_trial", trial_in_memory)
     with ThreadPoolExecutor(workers) as pool:
-        sweeps = [pool.submit(sweep_main, ["--config", str(path), "--out", str(tmp_path / f"worker{i}"), "--storage",
+        sweeps = [pool.submit(sweep_main, [str(path), "--out", str(tmp_path / f"worker{i}"), "--storage",
                                            url, "--heartbeat", "1", "--grace", "30"]) for i in range(workers)]
         for done in sweeps:
             done.result()
@@ -617,7 +617,7 @@ def test_a_sweep_prints_a_line_per_finished_trial(tmp_path, monkeypatch, capsys)
                        parameters={LR: {"values": [0.01, 0.02, 0.04]}, "trainer.max_epochs": {"value": 1}})
     _fake_trials(monkeypatch, prune="1")
     url = f"sqlite:///{tmp_path / 'sweep.db'}"
-    sweep(["--config", str(path), "--out", str(tmp_path / "sweep"), "--storage", url], launcher=FAKE_TRIAL)
+    sweep([str(path), "--out", str(tmp_path / "sweep"), "--storage", url], launcher=FAKE_TRIAL)
     trials = optuna.load_study(study_name="progress", storage=url).trials
     took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in trials]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("trial ")]
@@ -683,7 +683,7 @@ def test_a_dead_workers_trial_is_continued_by_its_retry_to_the_same_weights(tmp_
     logs = {name: tmp_path / f"worker_{name}.log" for name in "ab"}
 
     def start(name: str):
-        return start_cli("sweep", "--config", str(files[name]), "--out", str(tmp_path / name), "--storage", url,
+        return start_cli("sweep", str(files[name]), "--out", str(tmp_path / name), "--storage", url,
                          "--heartbeat", "1", "--grace", "5", log=logs[name])
 
     def show() -> str:
@@ -715,7 +715,7 @@ def test_a_dead_workers_trial_is_continued_by_its_retry_to_the_same_weights(tmp_
     assert said in logs["b"].read_text().splitlines() and said in (first / "fit.log").read_text()
     assert f"resuming from {preempted} (auto_resume)" in (first / "fit.log").read_text()
 
-    run_cli("sweep", "--config", str(files["reference"]), "--out", str(tmp_path / "reference"))
+    run_cli("sweep", str(files["reference"]), "--out", str(tmp_path / "reference"))
     (reference,) = optuna.load_study(study_name="reference",
                                      storage=f"sqlite:///{tmp_path / 'reference' / 'sweep.db'}").trials
     assert retry.intermediate_values == reference.intermediate_values and set(retry.intermediate_values) == {0, 1, 2}
