@@ -474,7 +474,7 @@ def test_sweep_settings_printed_to_a_file_run_the_same_sweep(tmp_path, monkeypat
     assert yaml.safe_load(printed) == {"sweep_file": str(path), "out": str(tmp_path / "from_file"), "storage": None,
                                        "workers": 1, "trials": 2, "seed": 3, "heartbeat": 5, "grace": 60}
     (tmp_path / "sweep.yaml").write_text(printed)
-    sweep([str(tmp_path / "sweep.yaml")], launcher=FAKE_TRIAL)
+    sweep(["--config", str(tmp_path / "sweep.yaml")], launcher=FAKE_TRIAL)
     sweep([str(path), "--out", str(tmp_path / "from_options"), *options], launcher=FAKE_TRIAL)
     ran = [[(t.params, t.state, t.value) for t in _trials(tmp_path / name / "sweep.db", "settings")]
            for name in ("from_file", "from_options")]
