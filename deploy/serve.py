@@ -321,9 +321,21 @@ def device_count(accelerator: str, devices: int | str) -> int:
     return torch.cuda.device_count() if devices == "auto" else int(devices)
 
 
+@dataclass(kw_only=True)
+class RequestLimits:
+    """What one request may be; over a limit it gets the status that names it (413, 504), never a worker's crash."""
+
+    max_bytes: PositiveInt = DEFAULT_MAX_BYTES
+    """largest body accepted (else 413)"""
+    max_pixels: PositiveInt = DEFAULT_MAX_PIXELS
+    """largest image accepted (else 413)"""
+    timeout: PositiveFloat = 30
+    """seconds a request may wait before a 504"""
+
+
 @dataclass
-class ServeSettings:
-    """The settings of `imgcls serve`."""
+class ServeSettings(RequestLimits):
+    """The settings of `imgcls serve`: the model, the server and its batching, and (inherited) the request limits."""
 
     model: str
     """a model folder of imgcls publish, or a checkpoint of imgcls fit"""
@@ -346,12 +358,6 @@ class ServeSettings:
     """labels per answer (single-label)"""
     threshold: float | None = None
     """multi-label: the folder's threshold, or this"""
-    max_bytes: PositiveInt = DEFAULT_MAX_BYTES
-    """largest body accepted (else 413)"""
-    max_pixels: PositiveInt = DEFAULT_MAX_PIXELS
-    """largest image accepted (else 413)"""
-    timeout: PositiveFloat = 30
-    """seconds a request may wait before a 504"""
 
 
 def build_server(args: ServeSettings) -> ls.LitServer:
