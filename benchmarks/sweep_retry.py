@@ -120,14 +120,17 @@ def one_death(url: str, folder: Path, sweeps: dict[str, Path], heartbeat: int, g
         study = optuna.load_study(study_name="retry", storage=url)
 
         def started(trials) -> bool:  # by b, which cleared the start step the retry copied from the dead trial
-            attrs = trials[1].user_attrs
-            return attrs.get("worker", "").endswith(f" pid {workers['b'].pid}") and isinstance(
-                attrs.get("start_step"), int)
+            # b names itself by its host and pid, which need not be its Popen's (a launcher may stand in for it):
+            # any worker but the dead trial's is b
+            attrs, dead = trials[1].user_attrs, trials[0].user_attrs
+            return attrs.get("worker") != dead.get("worker") and isinstance(attrs.get("start_step"), int)
 
         failed, retry = _until("the retry's fit to start", lambda: len(trials := study.get_trials(deepcopy=False))
                                == 2 and started(trials) and trials, grace + 10 * heartbeat + 300)
     except TimeoutError as err:  # what each worker and trial said, so that a stall can be read after the fact
-        raise TimeoutError(f"{err}\n{last_lines(folder)}") from None
+        seen = [(t.number, t.state.name, t.user_attrs.get("worker"), t.user_attrs.get("start_step"))
+                for t in optuna.load_study(study_name="retry", storage=url).get_trials(deepcopy=False)]
+        raise TimeoutError(f"{err}\ntrials (number, state, worker, start_step): {seen}\n{last_lines(folder)}") from None
     finally:
         for worker in workers.values():
             with contextlib.suppress(ProcessLookupError):
