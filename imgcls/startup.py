@@ -3,9 +3,9 @@ is then frozen (`gc.freeze`), so that no collection walks it again.
 
 The imports (torch, Lightning, torchmetrics, torchvision, jsonargparse) build ~450,000 long-lived objects. With the
 collector on, Python walks them in full collections while importing, and again when the interpreter exits; frozen,
-neither happens, and every command, DDP rank and sweep trial starts sooner (`python -m
-benchmarks.startup` measures by how much; docs/DESIGN.md quotes it). The cost is the cyclic garbage the imports
-leave behind (~13,000 objects, a few MB), which is kept instead of collected. Objects made after the start (the
+neither happens, and every command, DDP rank and sweep trial starts sooner (docs/PERFORMANCE.md, "Process
+start-up", by `python -m benchmarks.run --only startup`). The cost is the cyclic garbage the imports leave behind
+(~13,000 objects, a few MB), which is kept instead of collected. Objects made after the start (the
 Trainer, the model, the loaders) are collected as usual, and a forked loader worker shares the frozen ones' pages
 with its parent, since the collector no longer writes to them.
 

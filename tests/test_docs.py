@@ -20,6 +20,7 @@ import pytest
 from benchmarks import figures
 from benchmarks import records as on_disk
 from tests.helpers import ROOT
+from tests.test_architecture import allowed_arrows
 
 OURS = ("core", "datamodules", "lightning_modules", "training", "deploy", "imgcls", "benchmarks", "tests")
 LIBRARIES = ("torch", "torchvision", "lightning", "timm")  # whose classes the configs name by class_path
@@ -148,6 +149,24 @@ def missing_sections(text: str, root: Path = ROOT) -> list[str]:
         headings = re.findall(r"^#+ (.*)$", path.read_text(), re.M) if path.is_file() else []
         if not any(h.startswith(title) or h.split(": ", 1)[-1].startswith(title) for h in headings):
             wrong.append(f'{page}, "{title}"')
+    return wrong
+
+
+def picture_errors(text: str, arrows: dict[str, set[str]]) -> list[str]:
+    """Where the picture under "Rooms and arrows" disagrees with the table (`arrows`: room -> the rooms it may import):
+    a room drawn twice, drawn but not in the table or in the table but not drawn, and an arrow of the table that does
+    not point to a lower row of the picture. A remark in parentheses (`training (trainer.py)`) is no room."""
+    picture = FENCE.search(text[text.index("## Rooms and arrows"):]).group(0).splitlines()[1:-1]
+    row: dict[str, int] = {}
+    wrong = []
+    for number, line in enumerate(picture):
+        for room in re.findall(r"[\w.]+", re.sub(r"\([^)]*\)", "", line)):
+            wrong += [f"{room} is drawn twice"] if room in row else []
+            row[room] = number
+    wrong += [f"{room} is drawn but not in the table" for room in row if room not in arrows]
+    wrong += [f"{room} is in the table but not drawn" for room in arrows if room not in row]
+    wrong += [f"{room} may import {target}, which is not drawn below it" for room, targets in arrows.items()
+              for target in sorted(targets) if room in row and target in row and row[target] <= row[room]]
     return wrong
 
 
@@ -322,6 +341,7 @@ def unknown_keys(found: set[str]) -> list[str]:
 
 TEXTS = sources()
 README_MAX_LINES = 250  # the researcher's path: issue 31
+DESIGN_MAX_LINES = 250  # the picture and the decisions a newcomer needs: issue 48
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))
@@ -360,6 +380,12 @@ def test_the_readme_is_one_path_of_at_most_250_lines():
     assert len(readme.splitlines()) <= README_MAX_LINES
     headings = re.findall(r"^## (\d)\. ", readme, re.M)
     assert headings == [str(i) for i in range(1, 9)], headings
+
+
+def test_the_design_is_the_picture_and_the_decisions_in_at_most_250_lines():
+    design = TEXTS["docs/DESIGN.md"]
+    assert len(design.splitlines()) <= DESIGN_MAX_LINES, "docs/DESIGN.md: point to a module's docstring instead"
+    assert not picture_errors(design, allowed_arrows()), picture_errors(design, allowed_arrows())
 
 
 def test_commands_are_written_one_way_for_an_activated_venv():
@@ -404,3 +430,17 @@ def test_the_path_checks_refuse_what_the_repository_does_not_hold():
         "examples/nope.sh"]
     assert missing_sections('docs/PERFORMANCE.md, "Start scan"; docs/PERFORMANCE.md ("No such section")') == [
         'docs/PERFORMANCE.md, "No such section"']
+
+
+def test_the_picture_check_refuses_a_picture_the_table_does_not_draw():
+    arrows = {"core": set(), "data": {"core"}, "model": {"core"}, "cli": {"data", "model", "core"}}
+    drawn = "## Rooms and arrows\n\n```\n   cli (the command)\n data   model\n   core\n```\n"
+    assert picture_errors(drawn, arrows) == []
+    upside_down = drawn.replace(" data   model\n   core", "   core\n data   model")
+    assert picture_errors(upside_down, arrows) == ["data may import core, which is not drawn below it",
+                                                   "model may import core, which is not drawn below it"]
+    beside = drawn.replace(" data   model", " data   model   cli   serve")
+    assert picture_errors(beside, arrows) == ["cli is drawn twice", "serve is drawn but not in the table",
+                                              "cli may import data, which is not drawn below it",
+                                              "cli may import model, which is not drawn below it"]
+    assert picture_errors(drawn.replace("model", "(model)"), arrows) == ["model is in the table but not drawn"]

@@ -1,1 +1,3 @@
-"""The run layer: the imgcls command, callbacks, strategies and sweeps."""
+"""The run layer: the Trainer (trainer.py), and a folder per subsystem: the Trainer commands (cli/), the callbacks a
+config names (callbacks/), resume and fault tolerance (resume/), what a run leaves behind (records/), many processes
+(distributed/) and sweeps (sweeps/)."""

@@ -13,8 +13,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
     """Lightning's ModelCheckpoint, whose `last.ckpt` is the state at the end of every validation, a hard link to the
-    best-k file of the same step when there is one (why Lightning's own last.ckpt is not enough: docs/DESIGN.md,
-    "last.ckpt"). Linking needs a CheckpointIO with `link_checkpoint` (this module's); else last.ckpt is written."""
+    best-k file of the same step when there is one (why Lightning's own last.ckpt is not enough:
+    docs/FAULT_TOLERANCE.md, "Checkpoint integrity"). Linking needs a CheckpointIO with `link_checkpoint` (this
+    module's); else last.ckpt is written."""
 
     validated_step: int | None = None  # the global step of this fit's newest validation, in this process
     validated: dict[str, dict] | None = None  # a saved file -> {step, metrics} of the validation of its weights
