@@ -302,6 +302,26 @@ def test_a_timm_run_of_one_kind_keeps_the_other_kinds_stored_rows(monkeypatch, t
     assert "the AVX2 estimate's without --amp --amp-dtype bfloat16" in timm_peer.render(both)[1]
 
 
+def test_the_timm_table_gives_each_seeds_accuracy_and_the_median_with_its_spread(monkeypatch):
+    """Accuracy over 3 or more seeds per kind, seed by seed and as median (min-max); the AVX2 estimate holds torch's
+    kernels and oneDNN's alike (benchmarks.common.KERNEL_LIMITS)."""
+    from benchmarks import timm_peer
+    from benchmarks.common import KERNEL_LIMITS
+
+    assert min(timm_peer.REPS.values()) >= 3
+    monkeypatch.setattr(timm_peer, "auto_cpu_precision", lambda: "bf16-mixed")
+    assert set(timm_peer.kinds()[timm_peer.AVX2_ESTIMATE]["env"]) == set(KERNEL_LIMITS)
+    run_ = {"seconds": 50.0, "cpu_seconds": 90.0, "steps": 176}
+    sides = {timm_peer.TIMM: [dict(run_, val_acc=[0.5, a]) for a in (0.97, 0.98, 0.975)],
+             timm_peer.IMGCLS: [dict(run_, val_acc=[0.99, a]) for a in (0.96, 0.97, 0.98)]}
+    results = {"recipe": timm_peer.RECIPE, "quick": False, "peer": "train.py (1 bytes) with timm 1", "bf16_cpu": False,
+               "runs": {timm_peer.NATIVE: sides}, "peer_args": ["--epochs", "8"]}
+    page, _ = timm_peer.render(results)
+    assert "| timm train.py | 3 |" in page and "| 0.9750 (0.9700-0.9800) | 0.9700 / 0.9800 / 0.9750 |" in page
+    assert "| 0.9900 (0.9900-0.9900) | 0.9900 / 0.9900 / 0.9900 |" in page  # each run's best, not its last
+    assert "at least equal (medians): met" in page
+
+
 def test_hardware_benchmark_times_the_quickstarts_step():
     import yaml
 
