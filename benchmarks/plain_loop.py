@@ -36,8 +36,8 @@ def load_split(split_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor([c for _, c in files])
 
 
-def network(arch: str, head_hidden: int, dropout: float, num_classes: int) -> nn.Module:
-    net = getattr(torchvision.models, arch)(weights=None)
+def network(arch: str, head_hidden: int, dropout: float, zero_init_residual: bool, num_classes: int) -> nn.Module:
+    net = getattr(torchvision.models, arch)(weights=None, zero_init_residual=zero_init_residual)
     features = net.fc.in_features
     net.fc = nn.Sequential(nn.Linear(features, head_hidden), nn.ReLU(inplace=True), nn.Dropout(dropout),
                            nn.Linear(head_hidden, num_classes))
@@ -53,7 +53,8 @@ def train(data: Path, recipe: dict, *, start: float, max_batches: int | None = N
     if x_train.shape[-1] != size:
         x_train = F.interpolate(x_train.float(), size=(size, size), mode="bilinear", antialias=True).round().byte()
         x_val = F.interpolate(x_val.float(), size=(size, size), mode="bilinear", antialias=True).round().byte()
-    net = network(recipe["arch"], recipe["head_hidden"], recipe["dropout"], int(y_train.max()) + 1)
+    net = network(recipe["arch"], recipe["head_hidden"], recipe["dropout"], recipe["zero_init_residual"],
+                  int(y_train.max()) + 1)
     batch = recipe["batch"]
     lr = recipe["lr"] * batch / 256  # linear scaling of the per-256 rate, as the LightningModule does
     decay = [p for p in net.parameters() if p.ndim > 1]

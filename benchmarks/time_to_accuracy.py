@@ -56,6 +56,7 @@ def _quickstart_recipe() -> dict:
     assert schedule["class_path"] == "lightning_modules.schedules.WarmupCosine", schedule  # and its schedule
     net = model["net"]["init_args"]  # BackboneWithHead's
     return dict(arch=net["arch"], head_hidden=net["head_hidden"], dropout=net["dropout"],
+                zero_init_residual=net["zero_init_residual"],
                 lr=optimizer["init_args"]["lr"], betas=tuple(optimizer["init_args"]["betas"]),
                 weight_decay=optimizer["init_args"]["weight_decay"],
                 warmup_epochs=schedule["init_args"]["warmup_epochs"],

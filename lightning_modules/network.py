@@ -81,6 +81,8 @@ class BackboneWithHead(nn.Module):
     class token), (B, 3, H, W) -> (B, features); layers of the classifier before its last Linear (MobileNetV3's
     1280-wide layer, VGG's fc6/fc7) stay in it. The head: Linear(features -> head_hidden) -> ReLU -> Dropout ->
     Linear(-> num_classes). The width is read from the dropped Linear, so any model works without a table of widths.
+    A torchvision ResNet trained from scratch starts each residual block as the identity (`zero_init_residual`), as
+    timm's ResNets do.
 
     Args:
         num_classes: outputs of the head; the model passes the data's.
@@ -92,16 +94,21 @@ class BackboneWithHead(nn.Module):
         head_hidden: width of the hidden head layer (1024 in the Keras/Horovod recipe this template reproduces);
             0 gives a single linear layer.
         dropout: dropout before the last layer of the head.
+        zero_init_residual: the last BatchNorm weight of each residual block starts at zero (Goyal et al. 2017;
+            torchvision's own option, off there, and timm's default): each block starts as the identity. It is the
+            initialisation before any `weights`, for torchvision's ResNets (resnet*, resnext*, wide_resnet*); other
+            torchvision models have no such blocks, and a timm model keeps timm's own initialisation.
     """
 
     def __init__(self, num_classes: int, arch: Arch = "resnet50", weights: str | None = None,
-                 head_hidden: NonNegativeInt = 1024, dropout: UnitIntervalRightOpen = 0.2) -> None:
+                 head_hidden: NonNegativeInt = 1024, dropout: UnitIntervalRightOpen = 0.2,
+                 zero_init_residual: bool = True) -> None:
         super().__init__()
         check_arguments("model.net", BackboneWithHead.__init__, {"head_hidden": head_hidden, "dropout": dropout})
         # The CLI's values are jsonargparse's int and float subclasses: torch.compile (dynamo of torch 2.11) breaks the
         # graph at a Dropout whose p is one. The modules get plain numbers.
         head_hidden, dropout = int(head_hidden), float(dropout)
-        backbone, name = _classification_model(arch)
+        backbone, name = _classification_model(arch, zero_init_residual=zero_init_residual)
         if weights is not None:
             load_backbone_weights(backbone, arch, weights, head_prefix=f"{name}.")
         features = backbone.get_submodule(name).in_features  # 512 for resnet18, 2048 for resnet50, 768 for convnext_t
@@ -120,8 +127,9 @@ class BackboneWithHead(nn.Module):
         return [self.head]
 
 
-def _classification_model(arch: str) -> tuple[nn.Module, str]:
-    """A fresh (untrained) torchvision or timm model of `arch`, and the name of its last Linear layer."""
+def _classification_model(arch: str, *, zero_init_residual: bool) -> tuple[nn.Module, str]:
+    """A fresh (untrained) torchvision or timm model of `arch`, and the name of its last Linear layer; a torchvision
+    ResNet with `zero_init_residual` passed on."""
     if arch.startswith(TIMM_PREFIX):
         net = _timm().create_model(_timm_name(arch), pretrained=False)
         name = net.pretrained_cfg.get("classifier")  # timm names its classifier, e.g. "head.fc"
@@ -134,7 +142,9 @@ def _classification_model(arch: str) -> tuple[nn.Module, str]:
                          + (f"; did you mean {', '.join(close)}?" if close else "")
                          + f" ({len(archs())} names: torchvision.models.list_models(module=torchvision.models); "
                          "timm models are timm/<name>)")
-    net = torchvision.models.get_model(arch, weights=None)
+    resnet = torchvision.models.get_model_builder(arch).__module__ == torchvision.models.resnet.__name__
+    net = torchvision.models.get_model(arch, weights=None, **({"zero_init_residual": True}
+                                                             if resnet and zero_init_residual else {}))
     if getattr(net, "aux_logits", False):  # Inception v3, GoogLeNet: auxiliary classifiers would be a 2nd output
         net = torchvision.models.get_model(arch, weights=None, aux_logits=False, init_weights=False)
     return net, classifier_name(net, arch)

@@ -77,6 +77,34 @@ def test_unknown_arch_suggests_close_names_and_a_model_without_linear_classifier
         BackboneWithHead(1000, arch="squeezenet1_0")
 
 
+@pytest.mark.parametrize(("arch", "last"), [("resnet18", "bn2"), ("resnet50", "bn3"), ("resnext50_32x4d", "bn3")])
+def test_a_resnet_from_scratch_starts_each_residual_block_as_the_identity_as_torchvision_and_timm_can(arch, last):
+    blocks = (torchvision.models.resnet.BasicBlock, torchvision.models.resnet.Bottleneck)
+    torch.manual_seed(0)
+    net = BackboneWithHead(3, arch=arch)
+    gammas = [getattr(m, last).weight for m in net.backbone.modules() if isinstance(m, blocks)]
+    assert gammas and all(not g.any() for g in gammas)
+    torch.manual_seed(0)  # the same draws as torchvision's own option: the plain loop's weights are imgcls's
+    reference = torchvision.models.get_model(arch, weights=None, zero_init_residual=True)
+    for name, tensor in net.backbone.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[name]), name
+    off = BackboneWithHead(3, arch=arch, zero_init_residual=False)
+    assert all(getattr(m, last).weight.eq(1).all() for m in off.backbone.modules() if isinstance(m, blocks))
+
+
+def test_zero_init_residual_is_only_the_start_weights_replace_it_and_other_families_build_as_before(tmp_path):
+    source = torchvision.models.resnet18(weights=None)
+    path = tmp_path / "resnet18.pth"
+    torch.save(source.state_dict(), path)
+    net = BackboneWithHead(3, arch="resnet18", weights=str(path))
+    assert torch.equal(net.backbone.layer1[0].bn2.weight, source.layer1[0].bn2.weight)  # ones: the file's
+    torch.manual_seed(0)
+    net = BackboneWithHead(3, arch="mobilenet_v3_small")  # no residual BatchNorm to zero: torchvision's own init
+    torch.manual_seed(0)
+    reference = torchvision.models.mobilenet_v3_small(weights=None)
+    assert all(torch.equal(t, reference.state_dict()[k]) for k, t in net.backbone.state_dict().items())
+
+
 def test_head_hidden_zero_is_a_single_linear_layer():
     net = BackboneWithHead(3, arch="resnet18", head_hidden=0)
     assert isinstance(net.head, nn.Linear) and (net.head.in_features, net.head.out_features) == (512, 3)
