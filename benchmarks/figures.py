@@ -42,6 +42,8 @@ SECTIONS = ("hardware", "startup", "input_pipeline", "input_profile", "shards", 
             "loop_overhead", "compute_levers", "distributed", "fsdp_memory", "time_to_accuracy", "timm_peer",
             "recipe", "cuda_tests", "gpu_throughput", "gpu_end_to_end", "serve", "serve_crowd", "sweep_retry",
             "reading_cost")
+# Experiments shown under a section, after its runs: benchmarks/<name>.py, whose `note()` renders its own log.
+EXPERIMENTS = {"timm_peer": ("timm_gap",)}
 MARKER = re.compile(r"<!-- figure: ([\w.@-]+) -->(.*?)<!-- /figure -->", re.S)
 OPENING = "<!-- figure:"
 CODE = re.compile(r"`[^`\n]*`")  # inline code: a marker written there is shown, not filled in
@@ -136,7 +138,7 @@ def origin(run: dict) -> str:
 def section(name: str, runs: dict | list[dict] | None) -> str:
     """The Markdown section of one benchmark: for each machine that measured it (or the one that skipped it), its
     tables and text, the settings, the command and commit that made it, the machine line and the time; then,
-    once, the module's `section_note()` if any."""
+    once, the module's `section_note()` if any, and the notes of its EXPERIMENTS."""
     module = _module(name)
     runs = [runs] if isinstance(runs, dict) else [r for r in runs or [] if measured(r)] or (runs or [])[:1]
     if not runs:
@@ -154,6 +156,7 @@ def section(name: str, runs: dict | list[dict] | None) -> str:
                      f"_Measured by {origin(run)}; took {duration(run['seconds'])} ({run['mode']} mode)._\n")
     if hasattr(module, "section_note") and (note := module.section_note()):
         parts.append(f"{note}\n")  # said once, under every machine's runs
+    parts += [f"{_module(experiment).note()}\n" for experiment in EXPERIMENTS.get(name, ())]
     return "\n".join(parts)
 
 

@@ -50,8 +50,9 @@ QUICK_RECIPE = dict(RECIPE, arch="resnet18", epochs=1)
 
 def peer_args(recipe: dict, data: Path, out: Path, seed: int, bf16: bool) -> list[str]:
     """train.py's flags for the quickstart's recipe. What its flags cannot say alike: the head (timm's one linear
-    layer after dropout, imgcls' 1024-unit hidden layer before it) and the warm-up, whole epochs in train.py (0.5
-    rounded up to 1). Its own defaults stay: a checkpoint at every epoch, top-1 ranked."""
+    layer after dropout, imgcls' 1024-unit hidden layer before it), the resize (PIL's bicubic filter in train.py) and
+    the warm-up, whole epochs in train.py (0.5 rounded up to 1) from 1e-5; benchmarks.timm_gap measures each on its
+    own. Its own defaults stay: a checkpoint at every epoch, top-1 ranked."""
     size = recipe["image_size"]
     return [
         "--data-dir", str(data), "--train-split", "train", "--val-split", "val",  # the same PNG files
@@ -243,4 +244,5 @@ def figures(results: dict) -> dict[str, str]:
                       f"{key}_timm_acc": f"{100 * s['best'][TIMM]:.1f}%",
                       f"{key}_imgcls_acc": f"{100 * s['best'][IMGCLS]:.1f}%"}
     return found
+
 
