@@ -306,7 +306,7 @@ def test_the_timm_table_gives_each_seeds_accuracy_and_the_median_with_its_spread
     """Accuracy over 3 or more seeds per kind, seed by seed and as median (min-max); the AVX2 estimate holds torch's
     kernels and oneDNN's alike (benchmarks.common.KERNEL_LIMITS)."""
     from benchmarks import timm_peer
-    from benchmarks.common import KERNEL_LIMITS
+    from benchmarks.common import KERNEL_LIMITS, NOT_MODELLED
 
     assert min(timm_peer.REPS.values()) >= 3
     monkeypatch.setattr(timm_peer, "auto_cpu_precision", lambda: "bf16-mixed")
@@ -320,6 +320,13 @@ def test_the_timm_table_gives_each_seeds_accuracy_and_the_median_with_its_spread
     assert "| timm train.py | 3 |" in page and "| 0.9750 (0.9700-0.9800) | 0.9700 / 0.9800 / 0.9750 |" in page
     assert "| 0.9900 (0.9900-0.9900) | 0.9900 / 0.9900 / 0.9900 |" in page  # each run's best, not its last
     assert "at least equal (medians): met" in page
+    # An estimate says what it cannot model; rows of an estimate that held torch's kernels alone stay off the page.
+    aten_only = "AVX2 estimate: ATEN_CPU_CAPABILITY=avx2, fp32"
+    both = dict(results, runs={timm_peer.NATIVE: sides, timm_peer.AVX2_ESTIMATE: sides, aten_only: sides})
+    page, _ = timm_peer.render(both)
+    assert page.count("| timm train.py | 3 |") == 2 and aten_only not in page
+    assert page.count(NOT_MODELLED) == 1
+    assert page.index(timm_peer.AVX2_ESTIMATE) < page.index(NOT_MODELLED)
 
 
 def test_hardware_benchmark_times_the_quickstarts_step():
