@@ -234,10 +234,10 @@ def _gap(results: dict, median: dict[str, float]) -> str:
     if WITHOUT_START in median:
         singles = [f"its {name.removeprefix(SINGLE)} {points(name, WITHOUT_START)}" for name in median
                    if name.startswith(SINGLE)]
-        text += (f"Without timm's start imgcls fit is {points(WITHOUT_START)} points against train.py; each of "
-                 f"timm's settings on its own moves that by: its start {points(SHIPPED, WITHOUT_START)}, "
+        text += (f"Without timm's start imgcls fit is {points(WITHOUT_START)} points against timm's train.py; each "
+                 f"of timm's settings on its own moves that by: its start {points(SHIPPED, WITHOUT_START)}, "
                  + ", ".join(singles) + ". ")
-    return text + (f"imgcls fit as shipped (with timm's start): {points(SHIPPED)} points against train.py"
+    return text + (f"imgcls fit as shipped (with timm's start): {points(SHIPPED)} points against timm's train.py"
                    + (f"; with all four of timm's settings at once: {points(ALL_OF_TIMM)}." if ALL_OF_TIMM in median
                       else "."))
 

@@ -71,9 +71,9 @@ def test_each_variant_changes_one_thing_and_the_table_comes_from_the_runs(monkey
     assert "| 0.9620 (0.9610-0.9630) | -1.00 |" in body and "`--model.net.class_path" in body
     assert timm_gap._points(0.9805555 - 0.9805556) == "+0.00" and timm_gap._points(-0.0017) == "-0.17"
     assert "medians over 3 seeds" in body and "seeds 1, 2, 3" in settings
-    assert ("Without timm's start imgcls fit is -0.50 points against train.py; each of timm's settings on its own "
-            "moves that by: its start +1.00, its head -3.50. imgcls fit as shipped (with timm's start): +0.50 points "
-            "against train.py; with all four of timm's settings at once: -1.00.") in body
+    assert ("Without timm's start imgcls fit is -0.50 points against timm's train.py; each of timm's settings on its "
+            "own moves that by: its start +1.00, its head -3.50. imgcls fit as shipped (with timm's start): +0.50 "
+            "points against timm's train.py; with all four of timm's settings at once: -1.00.") in body
     assert timm_gap.figures(results) == {"timm_acc": "97.20%", "shipped_acc": "97.70%",
                                          "shipped_minus_timm": "+0.50 points", "all_of_timm_acc": "96.20%"}
     # The log is shown under the timm section, with where it came from; without one, "not measured".
