@@ -227,8 +227,20 @@ class ClassificationPresetEval:
         return {"class_path": f"{type(self).__module__}.{type(self).__name__}", "init_args": init_args}
 
     def contract_values(self) -> dict:
-        """The values of the model's input contract (`input_contract`)."""
-        return input_contract(self.preset, self.image_size, self.resize_size)
+        """This transform as plain values, as timm's `pretrained_cfg` states a model's: what a model trained with it
+        expects of an RGB image. The model keeps them in its input contract (`model.input_contract`), with the
+        transform's class_path and init_args under ``transform`` (`datamodules.transforms.contract_of`); evaluation,
+        prediction and export rebuild the transform from it."""
+        imagenet = self.preset == "imagenet"
+        return {
+            "preset": self.preset,
+            "image_size": self.image_size,  # the square side the network sees
+            "resize_size": self.resize_size if imagenet else None,  # the short side, then the center crop
+            "crop": "center" if imagenet else "none",  # none: the whole image resized to a square
+            "interpolation": "bilinear",
+            "mean": self.mean,  # after scaling pixels to [0, 1]
+            "std": self.std,
+        }
 
     def __call__(self, img):
         return self.transforms(img)
@@ -240,25 +252,6 @@ def normalization(preset: Preset) -> tuple[list[float], list[float]]:
     if preset == "imagenet":
         return list(IMAGENET_MEAN), list(IMAGENET_STD)
     return [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]
-
-
-def input_contract(preset: Preset, image_size: int, resize_size: int | None = None) -> dict:
-    """The evaluation preprocessing of `ClassificationPresetEval(preset, image_size, resize_size)` as plain values, as
-    timm's `pretrained_cfg` states a model's: what a model trained with it expects of an RGB image. The model keeps it
-    in its checkpoints (`model.input_contract`), with the transform's class_path and init_args under ``transform``
-    (`datamodules.transforms.contract_of`); evaluation, prediction and export rebuild the transform from it."""
-    _check_preset(preset)
-    imagenet = preset == "imagenet"
-    mean, std = normalization(preset)
-    return {
-        "preset": preset,
-        "image_size": int(image_size),  # the square side the network sees
-        "resize_size": int(resize_size or round(image_size / 0.875)) if imagenet else None,  # short side, then crop
-        "crop": "center" if imagenet else "none",  # none: the whole image resized to a square
-        "interpolation": "bilinear",
-        "mean": mean,  # after scaling pixels to [0, 1]
-        "std": std,
-    }
 
 
 def with_short_forms(transform, key: str, preset: Preset | None, image_size: int | None) -> tuple[object, list[str]]:

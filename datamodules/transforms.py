@@ -109,13 +109,6 @@ def eval_pipeline(contract: Mapping) -> v2.Compose:
     return v2.Compose([*steps, *float_stage(contract.get("mean"), contract.get("std")).transforms])
 
 
-def default_contract() -> dict[str, Any]:
-    """The contract of the default evaluation preset (imagenet, 224 px): for a model whose data source stated none."""
-    from datamodules.presets import ClassificationPresetEval
-
-    return contract_of(ClassificationPresetEval())
-
-
 def name_of(config: Mapping | None) -> str:
     """`class_path(key=value, ...)` of a transform's config, for one-line messages."""
     if not config:

@@ -14,16 +14,15 @@ model.json lists it step by step: the torchvision eval transform of the training
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from core.command_line import parse_settings
-from datamodules.transforms import CONTRACT_VALUES, default_contract, eval_pipeline, name_of
+from datamodules.transforms import CONTRACT_VALUES, eval_pipeline, name_of
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
 from training.records.saved_run import SavedRun, checkpoint_file
@@ -32,36 +31,23 @@ from training.resume.checkpoints import UnsafeCheckpointError
 Format = Literal["onnx", "pt2"]
 FORMATS = Format.__args__
 
-log = logging.getLogger(__name__)
-
-
-def evaluation_contract(saved: SavedRun) -> dict[str, Any]:
-    """A checkpoint's input contract, the one place export, publish and serve read it: the model's own, or for a
-    model whose data source stated none (it handed over ready tensors) the default evaluation preset's, said."""
-    contract = saved.input_contract
-    if contract is None:
-        contract = default_contract()
-        log.warning(f"{saved.path} carries no input contract (its data source stated none): its preprocessing is "
-                    f"taken to be the default, {name_of(contract['transform'])}")
-    return contract
-
 
 def load_for_export(ckpt_path: str | Path) -> tuple[ImageClassifier, dict]:
-    """The model in eval mode on the CPU, fp32, and its input contract (`evaluation_contract`: the evaluation
+    """The model in eval mode on the CPU, fp32, and its input contract (`SavedRun.input_contract`: the evaluation
     preprocessing it was trained with)."""
     ckpt_path = checkpoint_file(ckpt_path)
     # The network without its `weights`: the checkpoint holds every weight, so the pretrained ones it was fine-tuned
     # from (model.net.weights) are neither needed nor downloaded.
     # Both reads are weights_only: a checkpoint that needs arbitrary unpickling is refused, naming the file.
     saved = SavedRun.read(ckpt_path)
-    contract = evaluation_contract(saved)
+    contract = saved.input_contract
     net = saved.model.get("net")
     overrides = {"net": without_pretrained_weights(net)} if isinstance(net, dict) else {}
     model = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, **overrides)
     return model.float().eval(), contract
 
 
-def preprocessing(contract: dict) -> dict:
+def preprocessing_section(contract: dict) -> dict:
     """What a server must do to an RGB image before the model: the model's input contract, step by step. A user's
     evaluation transform that states no image_size, mean or std is refused in one line: a server cannot guess them."""
     missing = [key for key in CONTRACT_VALUES if contract.get(key) is None]
@@ -82,7 +68,7 @@ def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is unknown; choose one of {', '.join(FORMATS)}")
     model, contract = load_for_export(ckpt_path)
-    pre = preprocessing(contract)
+    pre = preprocessing_section(contract)
     out = Path(out_dir) if out_dir else Path(ckpt_path).resolve().parent.parent / "export"
     out.mkdir(parents=True, exist_ok=True)
     example = torch.randn(2, 3, pre["image_size"], pre["image_size"])  # (B, 3, H, W)

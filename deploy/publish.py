@@ -23,7 +23,6 @@ import torch
 import yaml
 
 from core.command_line import parse_settings
-from deploy.export import evaluation_contract
 from lightning_modules.pretrained import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -75,7 +74,7 @@ def model_config(saved: SavedRun, threshold: float | None, averaged: bool) -> di
         "class_names": names,
         "multilabel": multilabel,
         "threshold": threshold if multilabel else None,  # a class is predicted at or above it (multi-label)
-        "preprocessing": evaluation_contract(saved),  # the evaluation transform, applied to an 8-bit RGB image
+        "preprocessing": saved.input_contract,  # the evaluation transform, applied to an 8-bit RGB image
         "weights": {"file": WEIGHTS_FILE, "averaged": averaged,
                     "what": "the EMA of the weights (validated and checkpointed by WeightAveraging)" if averaged
                     else "the trained weights"},
@@ -219,7 +218,7 @@ def recipe(saved: SavedRun, run_config: dict) -> list[tuple[str, str]]:
             ("batch", f"{hp.get('batch_size', '?')} per device x {trainer.get('devices', '?')} device(s)"),
             ("precision", str(trainer.get("precision", "?"))),
             ("image size", f"{transform_arg(data, 'train_transform', 'image_size') or data.get('image_size', '?')} "
-                           f"train, {evaluation_contract(saved)['image_size']} eval"),
+                           f"train, {saved.input_contract['image_size']} eval"),
             ("augmentation", ", ".join(f"{k}={v}" for k, v in (
                 ("preset", data.get("preset")),
                 ("auto_augment", transform_arg(data, "train_transform", "auto_augment")),

@@ -159,14 +159,22 @@ def test_hugging_face_fit_killed_mid_epoch_resumes_to_identical_weights(tmp_path
     _killed_and_resumed_matches_the_uninterrupted_run(tmp_path, config)
 
 
-def test_a_users_own_datamodule_plugs_in_by_class_path_alone(tmp_path):
-    """tests/user_plugins.py's TensorData, in-memory tensors, on the quickstart config: the image-folder keys it
-    does not take are dropped with the class, the ones it does (image_size, batch_size) are kept."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def user_source_run(tmp_path_factory):
+    """A fit of tests/user_plugins.py's TensorData (in-memory tensors, no transforms: no input contract) on the
+    quickstart config, and its output."""
+    run = tmp_path_factory.mktemp("user_source") / "run"
     proc = run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY,
                    "--data.class_path", "tests.user_plugins.TensorData", "--data.images", "16",
                    "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
                    "--trainer.default_root_dir", str(run))
+    return run, proc
+
+
+def test_a_users_own_datamodule_plugs_in_by_class_path_alone(user_source_run):
+    """TensorData on the quickstart config: the image-folder keys it does not take are dropped with the class, the
+    ones it does (image_size, batch_size) are kept."""
+    run, proc = user_source_run
     assert "val/acc" in proc.stdout
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert ckpt["hyper_parameters"]["class_names"] == ["dark", "bright"]
@@ -174,6 +182,32 @@ def test_a_users_own_datamodule_plugs_in_by_class_path_alone(tmp_path):
     assert ckpt["TensorData"] == {"training_batches": 1}  # 16 images, batch 16: the batch counter is checkpointed
     saved = yaml.safe_load((run / "config.yaml").read_text())["data"]
     assert saved["class_path"] == "tests.user_plugins.TensorData" and "root" not in saved["init_args"]
+
+
+def test_a_checkpoint_without_an_input_contract_validates_on_its_source_and_exports_the_default_preprocessing(
+        user_source_run, tmp_path, caplog):
+    """The model of a source that states no input contract: validate runs on that source (which preprocesses its
+    tensors itself) without a word about preprocessing; export reads the contract where evaluate, publish and serve
+    do (`SavedRun.input_contract`), which takes the default evaluation preset's and says so in one line."""
+    from datamodules.presets import ClassificationPresetEval
+    from datamodules.transforms import contract_of
+    from deploy.export import load_for_export
+
+    run, _ = user_source_run
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True, map_location="cpu")["hyper_parameters"]["input_contract"] is None
+    proc = run_cli("validate", "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(tmp_path / "validate"))
+    said = proc.stdout + proc.stderr
+    assert "val/acc" in proc.stdout and "data.class_path=tests.user_plugins.TensorData" in said
+    assert "input contract" not in said and "eval_transform" not in said
+    with caplog.at_level("WARNING"):
+        _, contract = load_for_export(ckpt)
+    default = contract_of(ClassificationPresetEval())
+    assert contract == default and default["image_size"] == 224
+    lines = [r.getMessage() for r in caplog.records if "carries no input contract" in r.getMessage()]
+    assert lines == [f"{ckpt} carries no input contract (its data source stated none): its preprocessing is taken to "
+                     "be the default, datamodules.presets.ClassificationPresetEval(preset=imagenet, image_size=224, "
+                     "resize_size=256)"]
 
 
 def test_hugging_face_reads_a_folder_of_images_with_its_imagefolder_builder(tmp_path, monkeypatch):

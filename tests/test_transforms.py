@@ -15,9 +15,9 @@ from torchvision.transforms import v2
 import datamodules.image_data
 from datamodules import ClassificationData, ImageFolderDataModule
 from datamodules.images import list_images, read_image
-from datamodules.presets import ClassificationPresetEval, ClassificationPresetTrain, input_contract
+from datamodules.presets import IMAGENET_MEAN, IMAGENET_STD, ClassificationPresetEval, ClassificationPresetTrain
 from datamodules.transforms import build_transform, eval_pipeline
-from deploy.export import preprocessing
+from deploy.export import preprocessing_section
 from lightning_modules import ImageClassifier
 from tests.helpers import CONFIGS, killed_and_resumed, make_image_folder, resume_config, run_cli
 from tests.user_plugins import SquareResize
@@ -38,7 +38,9 @@ def test_a_preset_runs_contract_holds_its_values_and_rebuilds_its_eval_transform
     data = ImageFolderDataModule(None, train_transform=ClassificationPresetTrain(image_size=40),
                                  eval_transform=ClassificationPresetEval(image_size=48, resize_size=56))
     contract = data.input_contract
-    assert {k: v for k, v in contract.items() if k != "transform"} == input_contract("imagenet", 48, 56)
+    assert {k: v for k, v in contract.items() if k != "transform"} == {
+        "preset": "imagenet", "image_size": 48, "resize_size": 56, "crop": "center", "interpolation": "bilinear",
+        "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
     rebuilt = build_transform(contract["transform"])
     image = torch.randint(0, 256, (3, 70, 60), dtype=torch.uint8)
     expected = ClassificationPresetEval(image_size=48, resize_size=56)(image)  # float, normalised
@@ -58,7 +60,7 @@ def test_a_users_eval_transform_states_the_contract_and_sets_the_float_stage():
     torch.testing.assert_close(data.device_batches.to_float(x), (x.float() / 255 - 0.4) / 0.2)
     # A contract that cannot state what a server needs is refused in one line, never guessed.
     with pytest.raises(ValueError, match=r"states no image_size, mean, std: export writes them"):
-        preprocessing(ImageFolderDataModule(None, eval_transform=v2.Resize([32, 32])).input_contract)
+        preprocessing_section(ImageFolderDataModule(None, eval_transform=v2.Resize([32, 32])).input_contract)
     with pytest.raises(ValueError, match="data.fast_decode decodes JPEGs inside the training transform, and "
                                          "RandomResizedCrop takes decoded images"):
         ImageFolderDataModule(None, train_transform=v2.RandomResizedCrop(32), fast_decode=True)

@@ -17,6 +17,7 @@ import logging
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +79,21 @@ class SavedRun:
         names = self.model.get("class_names")
         return list(names) if names is not None else None
 
-    @property
-    def input_contract(self) -> dict[str, Any] | None:
-        """The model's evaluation preprocessing (None: its data source stated none)."""
+    @cached_property
+    def input_contract(self) -> dict[str, Any]:
+        """The model's input contract (its evaluation preprocessing), the one place evaluate, export, publish and serve
+        read it: the model's own, or for a model whose data source stated none (it handed over ready tensors) the
+        default evaluation preset's, said in one line."""
+        from datamodules.presets import ClassificationPresetEval
+        from datamodules.transforms import contract_of, name_of
+
         contract = self.model.get("input_contract")
-        return dict(contract) if contract is not None else None
+        if contract is not None:
+            return dict(contract)
+        contract = contract_of(ClassificationPresetEval())
+        warn_line(f"{self.path} carries no input contract (its data source stated none): its preprocessing is taken "
+                  f"to be the default, {name_of(contract['transform'])}")
+        return contract
 
     def best(self) -> tuple[str, str | None]:
         """(the best checkpoint that a ModelCheckpoint of this run recorded, "monitor score"), or (this one, None)."""
@@ -146,12 +157,13 @@ def evaluation_data(data, explicit: set[str] | None, saved: SavedRun, command: s
         update["class_path"] = taken["data.class_path"] = trained_class
         # With the run's class, its arguments too (its folder or list, its sizes), unless the user set them.
         init |= {k: v for k, v in saved.data.items() if not k.startswith("_") and not set_by_user(k, explicit)}
-    contract = saved.input_contract
-    trained = (contract or {}).get("transform")
+    # The contract only where the evaluated class takes an evaluation transform (a source may preprocess itself).
+    takes_transform = "eval_transform" in (saved.data if "class_path" in update else data)
+    trained = saved.input_contract.get("transform") if takes_transform else None
     if trained is not None and set_by_user("eval_transform", explicit):
         asked = _eval_transform_as_run(data)
         if asked != trained:
-            warn_line(f"data.eval_transform={name_of(asked)} is set, and the model was trained with "
+            warn_line(f"data.eval_transform={name_of(asked)} is set, and the model's input contract names "
                       f"{name_of(trained)} ({saved.path}): {command} uses the one set")
     elif trained is not None:
         init["eval_transform"] = _with_short_forms_set(trained, data, explicit, saved, command)
