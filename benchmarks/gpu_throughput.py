@@ -48,7 +48,7 @@ def device_augment_rate(batch: int, batches: int, count: int, size: int, device:
     read = [next(loader)[0] for _ in range(batches)]
 
     def run(items):
-        return dm.device_batches.to_float(dm.device_batches.augment(items, device, train=True))
+        return dm.device_batches.float_stage(dm.device_batches.augment(items, device, train=True))
 
     run(read[0])  # warm-up: nvJPEG handles, kernels
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None

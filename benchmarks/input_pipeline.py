@@ -82,7 +82,7 @@ def loaders(root, size: int, batch: int, workers: int) -> dict[str, tuple[Callab
     def augment(batch):  # what the device does with augment_on_device; here the device is this CPU
         x, y, seeds = batch  # each draw's seed, as in training
         on_device = device_dm.device_batches
-        return on_device.to_float(on_device.augment(x, "cpu", train=True, seed=seeds.tolist())), y
+        return on_device.float_stage(on_device.augment(x, "cpu", train=True, seed=seeds.tolist())), y
 
     return {
         BASELINE: (lambda: DataLoader(datasets.ImageFolder(str(root / "train"), transform=v1), **common), identity),

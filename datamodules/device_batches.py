@@ -10,26 +10,26 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from core.seeding import batch_seed, seeded_cpu_draws
+from datamodules import presets
 from datamodules.datasets import stack_images
 from datamodules.images import decode_images
-from datamodules.presets import float_stage
 
 
 class DeviceBatches:
     """The device's part of the pipeline.
 
     Args:
-        to_float: uint8 (B, 3, H, W) -> float32, scaled and normalised (`presets.float_stage`); default: scaled to
-            [0, 1] only.
+        float_stage: uint8 (B, 3, H, W) -> float32, scaled and normalised (`presets.float_stage`); default:
+            scaled to [0, 1] only.
         transforms: ``augment_on_device``: the uint8 training and evaluation transforms by "train" and "eval", run
             here on the files the workers read; None: the workers transform.
         schedule: progressive resizing, {epoch: side} sorted by epoch (`presets.check_schedule`), or None.
         train_size: the training transform's side, in force before the schedule's first entry (None: unstated).
     """
 
-    def __init__(self, to_float: Callable | None = None, *, transforms: dict[str, Callable] | None = None,
+    def __init__(self, float_stage: Callable | None = None, *, transforms: dict[str, Callable] | None = None,
                  schedule: dict[int, int] | None = None, train_size: int | None = None) -> None:
-        self.to_float = to_float if to_float is not None else float_stage(None, None)
+        self.float_stage = float_stage if float_stage is not None else presets.float_stage(None, None)
         self.transforms, self.schedule, self.train_size = transforms, schedule, train_size
 
     def finish(self, batch: tuple, *, index: int | None, trainer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +48,7 @@ class DeviceBatches:
             if side is not None and side != x.shape[-1]:
                 x = TF.resize(x, [side, side], antialias=True)  # (B, 3, side, side), uint8 stays uint8
         if x.dtype == torch.uint8:
-            x = self.to_float(x)
+            x = self.float_stage(x)
             if trainer is not None:  # a true-precision run (bf16-true, 64-true) wants its own dtype: Lightning
                 x = trainer.precision_plugin.convert_input(x)  # converted the batch before it was float
         return x, y

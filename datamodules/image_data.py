@@ -108,7 +108,7 @@ class ImageData(ClassificationData):
         self._contract = contract_of(evaluate, given["eval_transform"])
         train_size = stated(train, "image_size")
         self.device_batches = DeviceBatches(  # uint8 (B, 3, H, W) -> float32, the schedule, the device's transforms
-            float_stage(*normalisation_of(train, evaluate)), schedule=check_schedule(self.progressive_resizing,
+            float_stage(*stated_normalization(train, evaluate)), schedule=check_schedule(self.progressive_resizing,
                                                                                      train_size),
             transforms={"train": train, "eval": evaluate} if self.augment_on_device else None, train_size=train_size)
         if self.augment_on_device:
@@ -155,14 +155,14 @@ class ImageData(ClassificationData):
             return Transforms(None, None, train_encoded=True, eval_encoded=True)
         train, evaluate = self.train_transform, self.eval_transform
         if not self.normalize_on_device:
-            to_float = self.device_batches.to_float
-            train, evaluate = ThenFloat(train, to_float), ThenFloat(evaluate, to_float)
+            stage = self.device_batches.float_stage
+            train, evaluate = ThenFloat(train, stage), ThenFloat(evaluate, stage)
         # With fast_decode the training transform decodes each JPEG for its crop (reduced size when it can).
         return Transforms(train, evaluate, train_encoded=self.fast_decode, eval_encoded=False)
 
     def setup(self, stage: str) -> None:
         if stage == "fit":  # only a fit runs the training transform
-            normalisation_of(self.train_transform, self.eval_transform, strict=True)
+            stated_normalization(self.train_transform, self.eval_transform, strict=True)
         transforms = self.transforms()
         if stage == "predict":
             self.predict_set = self._predict_images(transforms)
@@ -226,7 +226,7 @@ class ImageData(ClassificationData):
         return kept
 
 
-def normalisation_of(train, evaluate, *, strict: bool = False) -> tuple[list[float] | None, list[float] | None]:
+def stated_normalization(train, evaluate, *, strict: bool = False) -> tuple[list[float] | None, list[float] | None]:
     """(mean, std) of the float stage: what the evaluation transform states (else the training one); None: pixels
     are only scaled to [0, 1]. `strict` (fit) refuses two transforms that state different ones."""
     pairs = [(stated(t, "mean"), stated(t, "std")) for t in (evaluate, train)]

@@ -52,17 +52,13 @@ def erase_value(preset: Preset) -> list[int]:
     return [round(255 * m) for m in IMAGENET_MEAN] if preset == "imagenet" else [0, 0, 0]
 
 
-def float_transform(preset: Preset) -> v2.Compose:
-    """The last, per-pixel stage of every preset: uint8 (..., 3, H, W) -> float32 in [0, 1], normalized for imagenet.
+def float_stage(mean: list[float] | None, std: list[float] | None) -> v2.Compose:
+    """The last, per-pixel stage of every pipeline: uint8 (..., 3, H, W) -> float32 in [0, 1], then (x - mean) / std
+    where they normalise (None: not at all).
 
     The DataModule runs it on whole batches after the host-to-device copy, so workers ship uint8 (4x fewer bytes
     through shared memory and the copy) and the arithmetic runs on the accelerator.
     """
-    return float_stage(*normalization(preset))
-
-
-def float_stage(mean: list[float] | None, std: list[float] | None) -> v2.Compose:
-    """uint8 (..., 3, H, W) -> float32 in [0, 1], then (x - mean) / std where they normalise (None: not at all)."""
     steps = [v2.ToDtype(torch.float32, scale=True)]
     if mean is not None and std is not None and (any(mean) or any(s != 1 for s in std)):
         steps.append(v2.Normalize(list(mean), list(std)))
@@ -104,7 +100,7 @@ class RandomResizedCropFlip:
 class ClassificationPresetTrain:
     """Training-time augmentation (torchvision v2), as torchvision's references/classification presets: a decoded
     image (uint8 (3, H, W) tensor or PIL image) in, float (3, S, S) out; with ``uint8_output=True`` it stops before
-    `float_transform` and returns the uint8 (3, S, S) image (`datamodules.transforms.ImageTransform`'s contract, as
+    `float_stage` and returns the uint8 (3, S, S) image (`datamodules.transforms.ImageTransform`'s contract, as
     the DataModule builds it). The imagenet preset also takes a JPEG's bytes (`RandomResizedCropFlip`), decoded fast
     with ``fast_decode``.
 
@@ -162,7 +158,7 @@ class ClassificationPresetTrain:
             steps.append(policy)
         if random_erasing > 0:
             steps.append(v2.RandomErasing(p=random_erasing, value=erase_value(preset)))
-        self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_transform(preset).transforms])
+        self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_stage(self.mean, self.std).transforms])
 
     def replace(self, **changes) -> ClassificationPresetTrain:
         """This preset with `changes` to its arguments (the DataModule's short forms, uint8_output, fast_decode)."""
@@ -214,7 +210,7 @@ class ClassificationPresetEval:
             ]
         else:
             steps = _plain(image_size)
-        self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_transform(preset).transforms])
+        self.transforms = v2.Compose(steps if uint8_output else [*steps, *float_stage(self.mean, self.std).transforms])
 
     def replace(self, **changes) -> ClassificationPresetEval:
         """This preset with `changes` to its arguments (the DataModule's short forms, uint8_output)."""
@@ -274,7 +270,7 @@ def with_short_forms(transform, key: str, preset: Preset | None, image_size: int
 
 
 def _plain(image_size: int) -> list:
-    """Resize to a square (so batches stack); no augmentation. `float_transform` rescales pixels to [0, 1]."""
+    """Resize to a square (so batches stack); no augmentation. `float_stage` rescales pixels to [0, 1]."""
     return [v2.PILToTensor(), v2.Resize((image_size, image_size), antialias=True)]
 
 

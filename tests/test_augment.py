@@ -16,7 +16,8 @@ from datamodules.presets import (
     ClassificationPresetEval,
     ClassificationPresetTrain,
     auto_augment_transform,
-    float_transform,
+    float_stage,
+    normalization,
 )
 from tests.helpers import make_image_folder
 
@@ -60,7 +61,7 @@ def test_random_erasing_fills_a_box_with_the_pixel_that_normalises_to_zero():
     rows, cols = box.any(dim=1).nonzero(), box.any(dim=0).nonzero()
     assert 0 < box.sum() < 32 * 32
     assert box.sum() == len(rows) * len(cols)  # one rectangle
-    normalised = float_transform("imagenet")(out.unsqueeze(0))[0]
+    normalised = float_stage(*normalization("imagenet"))(out.unsqueeze(0))[0]
     assert normalised[:, box].abs().max() <= 0.5 / 255 / min(IMAGENET_STD)  # 0 up to the uint8 rounding
     assert torch.equal(ClassificationPresetTrain(preset="none", image_size=32, uint8_output=True,
                                                  random_erasing=1.0)(x).amin(), torch.tensor(0, dtype=torch.uint8))

@@ -17,7 +17,8 @@ from datamodules.presets import (
     ClassificationPresetEval,
     ClassificationPresetTrain,
     RandomResizedCropFlip,
-    float_transform,
+    float_stage,
+    normalization,
 )
 from tests.helpers import make_image_folder
 
@@ -59,7 +60,7 @@ def test_eval_uint8_path_then_device_float_equals_float_path(tmp_path, preset):
     fast = ClassificationPresetEval(preset=preset, image_size=32, uint8_output=True)(read_image(path))
     assert fast.dtype == torch.uint8
     batch = torch.stack([fast, fast])  # (2, 3, 32, 32): the device stage runs on whole batches
-    assert torch.equal(float_transform(preset)(batch)[1], reference)
+    assert torch.equal(float_stage(*normalization(preset))(batch)[1], reference)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -69,15 +70,16 @@ def test_train_uint8_path_with_same_randomness_equals_float_path(tmp_path, prese
     reference = ClassificationPresetTrain(preset=preset, image_size=32)(load_rgb(path))
     torch.manual_seed(3)
     fast = ClassificationPresetTrain(preset=preset, image_size=32, uint8_output=True)(read_image(path))
-    assert torch.equal(float_transform(preset)(fast.unsqueeze(0))[0], reference)
+    assert torch.equal(float_stage(*normalization(preset))(fast.unsqueeze(0))[0], reference)
 
 
-def test_float_transform_matches_reference_normalization():
+def test_the_float_stage_matches_reference_normalization():
     x = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-    torch.testing.assert_close(float_transform("imagenet")(x), (x.float() / 255 - mean) / std, rtol=0, atol=1e-6)
-    assert torch.equal(float_transform("none")(x), v2.functional.to_dtype(x, torch.float32, scale=True))
+    torch.testing.assert_close(float_stage(*normalization("imagenet"))(x), (x.float() / 255 - mean) / std, rtol=0,
+                               atol=1e-6)
+    assert torch.equal(float_stage(*normalization("none"))(x), v2.functional.to_dtype(x, torch.float32, scale=True))
 
 
 def test_datamodule_batches_match_with_and_without_normalize_on_device(tmp_path):

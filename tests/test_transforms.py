@@ -57,7 +57,7 @@ def test_a_users_eval_transform_states_the_contract_and_sets_the_float_stage():
     assert (contract["image_size"], contract["mean"], contract["std"]) == (32, [0.4] * 3, [0.2] * 3)
     assert contract["transform"] is None  # built in Python: no config to rebuild it from
     x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
-    torch.testing.assert_close(data.device_batches.to_float(x), (x.float() / 255 - 0.4) / 0.2)
+    torch.testing.assert_close(data.device_batches.float_stage(x), (x.float() / 255 - 0.4) / 0.2)
     # A contract that cannot state what a server needs is refused in one line, never guessed.
     with pytest.raises(ValueError, match=r"states no image_size, mean, std: export writes them"):
         preprocessing_section(ImageFolderDataModule(None, eval_transform=v2.Resize([32, 32])).input_contract)
