@@ -28,7 +28,6 @@ from lightning_modules.pretrained import (
     FORMAT_VERSION,
     LIBRARY,
     WEIGHTS_FILE,
-    is_model_folder,
     model_hparams,
     network_spec,
 )
@@ -362,4 +361,4 @@ def main(argv: list[str] | None = None) -> None:
           f"upload it with: hf upload USER/NAME {out}")
 
 
-__all__ = ["publish", "is_model_folder", "main"]
+__all__ = ["publish", "main"]
