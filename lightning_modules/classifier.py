@@ -16,8 +16,11 @@ import lightning_modules.pretrained as pretrained
 from core.config_types import OpenUnitInterval, PositiveInt
 from lightning_modules.losses import criterion
 from lightning_modules.lr_plan import LrPlan
+from lightning_modules.metrics import classifier_metrics, logged_names
+from lightning_modules.mixing import batch_mix
 from lightning_modules.network import BackboneWithHead, network_from_config, require_backbone
 from lightning_modules.optim import build_optimizer, factories, kernel_limits, param_groups, plain_callable, target_of
+from lightning_modules.predictions import predictions
 from lightning_modules.settings import (
     DEFAULT_LEVERS,
     DEFAULT_RECIPE,
@@ -28,7 +31,6 @@ from lightning_modules.settings import (
     resolve_levers,
     save_model_hyperparameters,
 )
-from lightning_modules.targets import batch_mix, classifier_metrics, logged_names, predictions
 
 
 class ImageClassifier(L.LightningModule):

@@ -20,9 +20,9 @@ from core.config_types import instantiate
 from datamodules import ImageFolderDataModule
 from lightning_modules import BackboneWithHead, ImageClassifier, Levers, Recipe
 from lightning_modules.losses import BinaryCrossEntropy
+from lightning_modules.mixing import batch_mix
 from lightning_modules.optim import build_optimizer
 from lightning_modules.schedules import WarmupCosine
-from lightning_modules.targets import batch_mix
 from tests.helpers import make_image_folder
 from training.callbacks import FreezeBackbone
 from training.resume import LrPlanAcrossResumes

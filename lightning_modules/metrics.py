@@ -1,9 +1,7 @@
-"""What the classifier trains on and is scored by: mixup/CutMix of training batches, its metrics, and what it
-predicts per image."""
+"""What the classifier is scored by: its metrics per split, and the names it logs."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import (
@@ -13,7 +11,6 @@ from torchmetrics.classification import (
     MultilabelExactMatch,
     MultilabelF1Score,
 )
-from torchvision.transforms import v2
 
 
 def split_metrics(num_classes: int, prefix: str, multilabel: bool = False, threshold: float = 0.5) -> MetricCollection:
@@ -53,31 +50,3 @@ def logged_names(num_classes: int, multilabel: bool) -> set[str]:
     for split in ("val", "test"):
         names |= {f"{split}/loss", *split_metrics(num_classes, split, multilabel).keys()}
     return names
-
-
-def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> v2.Transform | None:
-    """(images (B, C, H, W), labels (B,)) -> (mixed images, soft labels (B, num_classes)): mixup, CutMix or either.
-
-    torchvision's v2.MixUp and v2.CutMix draw from torch's global generator, which the run seeds per batch
-    (ExactResume), so a resumed run mixes its batches exactly as the uninterrupted one.
-    """
-    mixes = []
-    if mixup_alpha > 0:
-        mixes.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
-    if cutmix_alpha > 0:
-        mixes.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
-    if not mixes:
-        return None
-    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
-
-
-def predictions(logits: torch.Tensor, index: torch.Tensor, class_names: list[str], multilabel: bool) -> dict:
-    """A predict batch's rows, on the CPU, with `index`, each image's place in the predict dataset (which maps back
-    to its file): multi-label data's probabilities (PredictionWriter names every class at or above the threshold),
-    else the top class, its name and confidence, and the top 5 classes and probabilities."""
-    if multilabel:
-        return {"index": index.cpu(), "probs": logits.sigmoid().cpu()}
-    top = logits.softmax(dim=1).topk(min(5, logits.shape[1]), dim=1)  # (B, num_classes) -> (B, k)
-    label = top.indices[:, 0]
-    return {"index": index.cpu(), "label": label.cpu(), "class_name": [class_names[i] for i in label.tolist()],
-            "confidence": top.values[:, 0].cpu(), "top5_labels": top.indices.cpu(), "top5_probs": top.values.cpu()}
