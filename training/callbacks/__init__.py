@@ -4,7 +4,7 @@ run are in training/resume/; docs/DESIGN.md, "Callbacks", lists every callback a
 from training.callbacks.checkpoint import ModelCheckpoint, StepCheckpoint
 from training.callbacks.figures import ValidationFigures
 from training.callbacks.freezing import FreezeBackbone
-from training.callbacks.predictions import PredictionWriter
+from training.callbacks.prediction_writer import PredictionWriter
 from training.callbacks.run_config import RunConfig
 
 __all__ = ["FreezeBackbone", "ModelCheckpoint", "PredictionWriter", "RunConfig", "StepCheckpoint", "ValidationFigures"]
