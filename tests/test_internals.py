@@ -41,18 +41,18 @@ FENCE = {
                                         "the loader positions Lightning restored but never applies once "
                                         "estimated_stepping_batches built the loader; no public way to read or drop "
                                         "them"),
-    "_last_global_step_saved": ("training/callbacks/checkpoint.py, training/resume/exact.py",
+    "_last_global_step_saved": ("training/callbacks/model_checkpoint.py, training/resume/exact.py",
                                 "the step a ModelCheckpoint last saved at: ExactResume defers, records and restores "
                                 "it (Lightning keeps it in memory only), for any ModelCheckpoint a user configures"),
-    "_last_checkpoint_saved": ("training/callbacks/checkpoint.py",
+    "_last_checkpoint_saved": ("training/callbacks/model_checkpoint.py",
                                "the file a ModelCheckpoint saved at this step, which last.ckpt hard-links"),
-    "_should_save_on_train_epoch_end": ("training/callbacks/checkpoint.py",
+    "_should_save_on_train_epoch_end": ("training/callbacks/model_checkpoint.py",
                                         "the hook (epoch end or validation end) Lightning saves in, so last.ckpt "
                                         "follows in the same one; it reads a private Trainer setting itself"),
-    "_save_last_checkpoint": ("training/callbacks/checkpoint.py",
+    "_save_last_checkpoint": ("training/callbacks/model_checkpoint.py",
                               "the one place Lightning writes last.ckpt: overridden to link it instead of writing "
                               "the same state twice"),
-    "_save_checkpoint": ("training/callbacks/checkpoint.py: ModelCheckpoint._save_checkpoint",
+    "_save_checkpoint": ("training/callbacks/model_checkpoint.py: ModelCheckpoint._save_checkpoint",
                          "each file's entry of the validation of its weights is noted before the write, so that the "
                          "file holds its own (a resumed fit shows the best file's metrics without validating it "
                          "again); the one place a ModelCheckpoint writes a file, with its path"),

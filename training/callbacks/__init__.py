@@ -1,9 +1,9 @@
 """The callbacks a config names (`trainer.callbacks`), one small module each. The fault guards the CLI adds to every
 run are in training/resume/; docs/DESIGN.md, "Callbacks", lists every callback a run has."""
 
-from training.callbacks.checkpoint import ModelCheckpoint, StepCheckpoint
 from training.callbacks.figures import ValidationFigures
 from training.callbacks.freezing import FreezeBackbone
+from training.callbacks.model_checkpoint import ModelCheckpoint, StepCheckpoint
 from training.callbacks.prediction_writer import PredictionWriter
 from training.callbacks.run_config import RunConfig
 

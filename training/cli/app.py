@@ -59,7 +59,7 @@ from datamodules import ClassificationData, CsvDataModule, HFDataModule, ImageFo
 from lightning_modules import ImageClassifier
 from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
 from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
-from training.callbacks.checkpoint import names_subclass, one_run_checkpoint
+from training.callbacks.model_checkpoint import names_subclass, one_run_checkpoint
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
 from training.cli.preflight import check_batch_norm, check_input_side, check_monitored
