@@ -30,7 +30,7 @@ from benchmarks.common import (
 )
 from benchmarks.compute_levers import train_step
 from datamodules import ClassificationPresetTrain, ImageFolderDataModule
-from datamodules.images import load_rgb
+from datamodules.decoding import load_rgb
 from datamodules.presets import IMAGENET_MEAN, IMAGENET_STD
 
 BASELINE = "torchvision ImageFolder + PIL + transforms v1 (baseline)"

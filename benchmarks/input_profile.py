@@ -25,7 +25,7 @@ from torchvision.transforms.v2 import functional as F
 from benchmarks import input_pipeline
 from benchmarks.common import one_torch_thread, photo_folder, table, verdict
 from datamodules.datasets import stack_images
-from datamodules.images import decode_for_crop, read_encoded
+from datamodules.decoding import decode_for_crop, read_encoded
 from datamodules.presets import IMAGENET_MEAN, IMAGENET_STD, RandomResizedCropFlip
 
 TITLE = "Input pipeline profile"

@@ -25,7 +25,7 @@ from PIL import Image
 
 from benchmarks.common import table, verdict
 from datamodules.bad_images import ScanCache, find_bad_images
-from datamodules.images import find_classes, scan_split
+from datamodules.listing import find_classes, scan_split
 
 TITLE = "Start scan"
 IMAGENET_TRAIN = 1_281_167

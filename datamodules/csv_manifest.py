@@ -10,9 +10,8 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from core.config_types import OpenUnitInterval
-from datamodules.files import FileSplits, Samples
 from datamodules.image_data import ImageData
-from datamodules.images import read_image_list
+from datamodules.listing import FileSplits, Samples, read_image_list
 
 
 def read_manifest(file: Path) -> list[tuple[str, str]]:

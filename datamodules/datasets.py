@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from core.seeding import seeded_cpu_draws
-from datamodules.images import read_image
+from datamodules.decoding import read_image
 
 
 class _ArraySequence(Sequence):

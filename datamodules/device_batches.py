@@ -12,7 +12,7 @@ from torchvision.transforms.v2 import functional as TF
 from core.seeding import batch_seed, seeded_cpu_draws
 from datamodules import presets
 from datamodules.datasets import stack_images
-from datamodules.images import decode_images
+from datamodules.decoding import decode_images
 
 
 class DeviceBatches:

@@ -13,9 +13,9 @@ import numpy as np
 
 from core.config_types import OpenUnitInterval
 from datamodules.datasets import SeededImages
+from datamodules.decoding import decode_bytes
 from datamodules.image_data import ImageData, Transforms
-from datamodules.images import decode_bytes
-from datamodules.splits import hold_out
+from datamodules.listing import hold_out
 
 VAL_SPLITS = ("validation", "val", "valid")  # the names a validation split goes by on the Hub
 

@@ -17,9 +17,9 @@ from core.config_types import ImageSide
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.base import ClassificationData
 from datamodules.datasets import ImageFiles, PredictImages, collate_encoded
+from datamodules.decoding import read_encoded, read_image
 from datamodules.device_batches import DeviceBatches
-from datamodules.files import FileSplits
-from datamodules.images import list_images, read_encoded, read_image
+from datamodules.listing import FileSplits, list_images
 from datamodules.presets import (
     ClassificationPresetEval,
     ClassificationPresetTrain,

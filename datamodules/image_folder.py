@@ -10,10 +10,8 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from core.config_types import OpenUnitInterval
-from datamodules.files import FileSplits, Samples
 from datamodules.image_data import ImageData
-from datamodules.images import is_multilabel
-from datamodules.splits import read_class_names, split_samples
+from datamodules.listing import FileSplits, Samples, is_multilabel, read_class_names, split_samples
 
 
 class FolderSplits(FileSplits):

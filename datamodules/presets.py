@@ -11,7 +11,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from core.config_types import ImageSide, check_arguments
-from datamodules.images import decode_for_crop
+from datamodules.decoding import decode_for_crop
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -29,9 +29,9 @@ from core.config_types import PositiveInt
 from core.seeding import draw_seed, run_seed, seeded_cpu_draws
 from datamodules.bad_images import ScanCache, bad_images_message, find_bad_images
 from datamodules.datasets import UnreadableImageError
+from datamodules.decoding import decode_bytes
 from datamodules.image_data import ImageData, Transforms
 from datamodules.image_folder import FolderSplits
-from datamodules.images import decode_bytes
 
 # Lightning warns about any IterableDataset with a length on several workers; LitData's is what this process's
 # workers yield, whatever their number.

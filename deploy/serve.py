@@ -185,7 +185,7 @@ def decode_image(data: bytes, max_pixels: int) -> torch.Tensor | Rejected:
     """An image file's bytes -> uint8 (3, H, W) RGB (the pixels `imgcls predict` reads), or why not."""
     from PIL import Image, UnidentifiedImageError
 
-    from datamodules.images import decode_bytes
+    from datamodules.decoding import decode_bytes
 
     try:
         with Image.open(io.BytesIO(data)) as header:  # reads the header only: the size before any decoding

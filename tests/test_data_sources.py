@@ -15,7 +15,7 @@ import yaml
 
 from datamodules import ClassificationData, CsvDataModule, ImageFolderDataModule
 from datamodules.datasets import SeededImages
-from datamodules.images import read_image
+from datamodules.decoding import read_image
 from tests.helpers import (
     CONFIGS,
     TINY,

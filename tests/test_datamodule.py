@@ -16,8 +16,8 @@ from PIL import Image
 
 from datamodules import ImageFolderDataModule
 from datamodules.datasets import ImageFiles, PredictImages
+from datamodules.decoding import load_rgb
 from datamodules.demo import MANIFEST, build_demo_data
-from datamodules.images import load_rgb
 from datamodules.presets import (
     IMAGENET_MEAN,
     IMAGENET_STD,

@@ -12,7 +12,7 @@ import torch
 
 from datamodules.demo import build_multilabel_demo_data
 from datamodules.image_folder import ImageFolderDataModule
-from datamodules.images import read_labels_csv
+from datamodules.listing import read_labels_csv
 from lightning_modules import BackboneWithHead, Recipe
 from lightning_modules.classifier import ImageClassifier
 from tests.helpers import CONFIGS, TINY, TINY_ARCH, make_image_folder

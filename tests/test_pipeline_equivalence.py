@@ -11,7 +11,7 @@ from torchvision.transforms import v2
 
 from datamodules import ImageFolderDataModule
 from datamodules.datasets import stack_images
-from datamodules.images import decode_for_crop, load_rgb, read_encoded, read_image
+from datamodules.decoding import decode_for_crop, load_rgb, read_encoded, read_image
 from datamodules.presets import (
     PRESETS,
     ClassificationPresetEval,

@@ -16,7 +16,8 @@ import torch
 import torchvision
 import yaml
 
-from datamodules.images import list_images, load_rgb
+from datamodules.decoding import load_rgb
+from datamodules.listing import list_images
 from datamodules.transforms import build_transform
 from deploy.export import main as export_main
 from deploy.publish import main as publish_main

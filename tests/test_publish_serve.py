@@ -295,7 +295,7 @@ def multilabel(tmp_path_factory) -> tuple[Path, list[Path], dict[str, torch.Tens
     lies in the widest gap between those scores near their median: each side holds labels, none is within rounding."""
     from safetensors.torch import save_file
 
-    from datamodules.images import read_image
+    from datamodules.decoding import read_image
     from datamodules.presets import ClassificationPresetEval
     from datamodules.transforms import contract_of, eval_pipeline
     from deploy.publish import model_config

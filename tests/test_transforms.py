@@ -14,7 +14,8 @@ from torchvision.transforms import v2
 
 import datamodules.image_data
 from datamodules import ClassificationData, ImageFolderDataModule
-from datamodules.images import list_images, read_image
+from datamodules.decoding import read_image
+from datamodules.listing import list_images
 from datamodules.presets import IMAGENET_MEAN, IMAGENET_STD, ClassificationPresetEval, ClassificationPresetTrain
 from datamodules.transforms import build_transform, eval_pipeline
 from deploy.export import preprocessing_section

@@ -1,10 +1,9 @@
-"""Finding image files on disk and decoding them to RGB."""
+"""Decoding image files to 8-bit RGB tensors: from a path, from a file's bytes, batched on the device, and for a
+random crop."""
 
 from __future__ import annotations
 
-import csv
 import io
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,6 @@ import numpy as np
 import simplejpeg
 import torch
 from PIL import Image
-from torchvision.datasets.folder import make_dataset
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms.v2.functional import pil_to_tensor
 
@@ -21,92 +19,6 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 # every worker). The JPEG decoder still works and is the fastest on hand; move to TorchCodec when it is removed.
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
                         category=DeprecationWarning)
-
-IMG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-
-
-def is_image_file(path: str | os.PathLike) -> bool:
-    return str(path).lower().endswith(IMG_EXTENSIONS)
-
-
-def list_images(folder: str | os.PathLike) -> list[str]:
-    """Every image below `folder`, nested folders included, in a stable (sorted) order."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames.sort()
-        found.extend(os.path.join(dirpath, f) for f in sorted(filenames) if is_image_file(f))
-    return found
-
-
-def find_classes(split_dir: Path) -> list[str]:
-    """Class names of an ImageFolder split: its sub-folders, sorted (torchvision semantics). Not torchvision's
-    find_classes, which counts hidden folders (.ipynb_checkpoints, .cache) as classes."""
-    if not split_dir.is_dir():
-        raise FileNotFoundError(f"{split_dir} is not a folder; expected one sub-folder per class")
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
-        raise FileNotFoundError(f"{split_dir} has no class folders; expected {split_dir}/<class>/<image>.jpg")
-    return classes
-
-
-def scan_split(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
-    """(path, class index) for every image of `split_dir`, nested folders included (torchvision's make_dataset); each
-    class folder must hold at least one image, named in our message rather than torchvision's list of classes."""
-    samples = make_dataset(str(split_dir), {name: i for i, name in enumerate(classes)}, extensions=IMG_EXTENSIONS,
-                           allow_empty=True)
-    counts = np.bincount([target for _, target in samples], minlength=len(classes))
-    for name, count in zip(classes, counts, strict=True):
-        if not count:
-            raise FileNotFoundError(
-                f"class folder {split_dir / name} holds no images ({', '.join(IMG_EXTENSIONS)}); "
-                "add images or remove the folder"
-            )
-    return samples
-
-
-LABELS_CSV = "labels.csv"  # a multi-label split: path,labels rows beside its images
-
-
-def is_multilabel(root: Path) -> bool:
-    """A multi-label dataset has `train/labels.csv`; a single-label one has class folders only."""
-    return (root / "train" / LABELS_CSV).is_file()
-
-
-def read_image_list(file: Path, column: str, *, required: bool) -> list[tuple[str, str]]:
-    """(image path, its `column` cell) of every row of an image-list CSV with the header ``path,<column>``: paths
-    relative to the file's folder (or absolute), each listed once and present; a `required` cell must not be empty.
-    Errors name the file, the row and the fix."""
-    rows, seen = [], set()
-    with open(file, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"path", column} <= set(reader.fieldnames):
-            raise ValueError(f"{file} must start with the header path,{column} (found {reader.fieldnames})")
-        for line, row in enumerate(reader, start=2):
-            rel, cell = (row["path"] or "").strip(), (row[column] or "").strip()
-            if not rel or (required and not cell):
-                raise ValueError(f"{file} line {line}: the {'path' if not rel else column} is empty")
-            path = file.parent / rel
-            if rel in seen:
-                raise ValueError(f"{file} line {line}: {rel} is listed twice; give each image one row")
-            if not path.is_file():
-                raise FileNotFoundError(f"{file} line {line}: {path} does not exist; fix the path (relative to "
-                                        f"{file.parent}) or remove the row")
-            seen.add(rel)
-            rows.append((str(path), cell))
-    if not rows:
-        raise ValueError(f"{file} lists no images")
-    return rows
-
-
-def read_labels_csv(split_dir: Path) -> list[tuple[str, list[str]]]:
-    """(image path, its labels) of every row of `split_dir/labels.csv`: columns `path` (relative to `split_dir`) and
-    `labels` (separated by spaces or `|`; empty for an image with none). Errors name the file, the row and the fix."""
-    file = split_dir / LABELS_CSV
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist; a multi-label split lists its images there "
-                                "(columns path,labels; labels separated by spaces or |)")
-    return [(path, sorted(set(cell.replace("|", " ").split())))
-            for path, cell in read_image_list(file, "labels", required=False)]
 
 
 def read_image(path: str) -> torch.Tensor:
