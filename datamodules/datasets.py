@@ -51,7 +51,7 @@ class PathArray(_ArraySequence):
         return os.fsdecode(self.data[self.offsets[index]:self.offsets[index + 1]].tobytes())
 
 
-class Samples(_ArraySequence):
+class SampleArray(_ArraySequence):
     """(path, class index) pairs, as torchvision's ImageFolder.samples, read from a PathArray and an int64 array."""
 
     def __init__(self, paths: PathArray, targets: np.ndarray) -> None:
@@ -157,8 +157,8 @@ class ImageFiles(SeededImages):
         self.read = read
 
     @property
-    def samples(self) -> Samples:
-        return Samples(self.paths, self.targets)
+    def samples(self) -> SampleArray:
+        return SampleArray(self.paths, self.targets)
 
     def _image(self, index: int):
         return self.read(self.paths[index])
