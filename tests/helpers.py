@@ -47,11 +47,8 @@ def resume_config(devices: int = 1, every_n_train_steps: int = 2) -> dict:
     cfg["trainer"].update(precision="32-true", deterministic=True, max_epochs=2, accelerator="cpu", devices=devices,
                           enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                           **({"strategy": "ddp"} if devices > 1 else {}))
-    callbacks = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
-    for c in callbacks:
-        if c["init_args"].get("every_n_train_steps"):
-            c["init_args"]["every_n_train_steps"] = every_n_train_steps
-    cfg["trainer"]["callbacks"] = callbacks
+    cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "Rich" not in c["class_path"]]
+    cfg["checkpoint"] = {"every_n_train_steps": every_n_train_steps}
     cfg["model"]["net"]["init_args"].update(arch=TINY_ARCH, head_hidden=32)
     cfg["model"]["levers"]["channels_last"] = False
     return cfg
@@ -66,6 +63,10 @@ TINY = [
     "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
     "--trainer.enable_model_summary", "false",
 ]
+
+
+# The `checkpoint` key of a run that keeps no checkpoints of its own: a test's listed ModelCheckpoint is the only one.
+NO_RUN_CHECKPOINTS = {"save_top_k": 0, "save_last": False, "every_n_train_steps": 0}
 
 
 # `imgcls fit` arguments that freeze the network's backbone for epoch 0 (training.callbacks.FreezeBackbone).

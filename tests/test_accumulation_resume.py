@@ -11,7 +11,16 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import CONFIGS, TINY_ARCH, cli_env, free_port, make_image_folder, max_diff, run_cli
+from tests.helpers import (
+    CONFIGS,
+    NO_RUN_CHECKPOINTS,
+    TINY_ARCH,
+    cli_env,
+    free_port,
+    make_image_folder,
+    max_diff,
+    run_cli,
+)
 
 
 def _config(tmp_path: Path, data: Path) -> Path:
@@ -23,6 +32,7 @@ def _config(tmp_path: Path, data: Path) -> Path:
                   "init_args": {"monitor": "val/loss", "mode": "min", "save_top_k": -1}}
     steps = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
              "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"}}
+    cfg["checkpoint"] = NO_RUN_CHECKPOINTS  # these two alone
     cfg["trainer"].update(callbacks=[validation, steps], precision="32-true", deterministic=True, accelerator="cpu",
                           devices=2,
                           strategy="ddp", max_epochs=1, limit_train_batches=4, accumulate_grad_batches=2,

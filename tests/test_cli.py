@@ -60,9 +60,9 @@ def test_production_config_prints_on_its_own():
     assert data["class_path"] == "datamodules.ImageFolderDataModule"  # the default data source
     net = model["net"]["init_args"]
     assert (net["arch"], net["weights"], data["init_args"]["batch_size"]) == ("resnet50", "IMAGENET1K_V2", 64)
-    monitored = [c["init_args"].get("monitor") for c in trainer["callbacks"]
-                 if c["class_path"].endswith("ModelCheckpoint")]
-    assert "val/acc" in monitored
+    assert printed["checkpoint"] == {"monitor": "val/acc", "mode": "max", "save_top_k": 2, "save_last": True,
+                                     "every_n_train_steps": 500}  # the run's checkpoints; every 500 steps here
+    assert not [c for c in trainer["callbacks"] if c["class_path"].endswith("Checkpoint")]  # the key's, not listed
     assert printed["freeze"] == {"epochs": 1}  # training.callbacks.FreezeBackbone: the head trains alone first
 
 

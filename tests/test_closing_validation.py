@@ -8,7 +8,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import CONFIGS, TINY
+from tests.helpers import CONFIGS, NO_RUN_CHECKPOINTS, TINY
 from training.cli.app import cli_main
 
 EPOCHS = 3
@@ -37,16 +37,20 @@ def _val_loss(run) -> dict[int, str]:
 
 
 def _fit(tmp_path, digits_root, epochs: int, *, best: str = "oldest", budget: float | None = None,
-         checkpoint: str = "training.callbacks.ModelCheckpoint"):
-    """A tiny quickstart fit of one-step epochs in tmp_path/run whose ModelCheckpoint ranks by step (mode max: the
-    newest is the best; min: the oldest)."""
+         plain_lightning: bool = False):
+    """A tiny quickstart fit of one-step epochs in tmp_path/run whose checkpoints rank by step (mode max: the newest
+    is the best; min: the oldest): the run's own (the `checkpoint` key), or with `plain_lightning` none of its own and
+    Lightning's ModelCheckpoint, listed."""
+    ranked = {"monitor": "step", "mode": "max" if best == "newest" else "min", "save_top_k": 1}
+    checkpoint, callbacks = {**ranked, "every_n_train_steps": 0}, []
+    if plain_lightning:
+        checkpoint = NO_RUN_CHECKPOINTS
+        callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                      "init_args": {**ranked, "save_last": True, "filename": "epoch{epoch:03d}-step{step:.4f}",
+                                    "auto_insert_metric_name": False, "dirpath": None}}]
     overlay = tmp_path / "callbacks.yaml"
-    overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
-        {"class_path": checkpoint,
-         "init_args": {"monitor": "step", "mode": "max" if best == "newest" else "min", "save_top_k": 1,
-                       "save_last": True, "filename": "s{step}", "auto_insert_metric_name": False, "dirpath": None,
-                       "every_n_train_steps": None}},
-        {"class_path": "training.callbacks.ValidationFigures", "init_args": {"time_budget": budget}}]}}))
+    overlay.write_text(yaml.safe_dump({"checkpoint": checkpoint, "trainer": {"callbacks": [
+        *callbacks, {"class_path": "training.callbacks.ValidationFigures", "init_args": {"time_budget": budget}}]}}))
     return cli_main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(overlay), *TINY,
                      "--data.root", str(digits_root), "--trainer.default_root_dir", str(tmp_path / "run"),
                      "--trainer.max_epochs", str(epochs), "--trainer.limit_train_batches", "1",
@@ -73,7 +77,7 @@ def test_the_best_checkpoints_metrics_are_those_of_the_validation_of_its_weights
     cli = _fit(tmp_path, digits_root, EPOCHS, best=best, budget=budget)
     assert isinstance(cli, ImgclsCLI)
     step = EPOCHS if best == "newest" else 1
-    assert cli.trainer.checkpoint_callback.best_model_path.endswith(f"s{step}.ckpt")
+    assert cli.trainer.checkpoint_callback.best_model_path.endswith(f"-step{step}.0000.ckpt")  # the run's own file
     assert cli.trainer.state.fn == "fit"  # a closing validation would leave the trainer in `validate`
     printed = capsys.readouterr().out  # on stdout, as Lightning prints a validation's table
     table = printed[printed.index(TITLE):]
@@ -104,7 +108,8 @@ def test_the_best_file_of_a_plain_lightning_checkpoint_is_validated_again(tmp_pa
     """Lightning's own ModelCheckpoint keeps no record of the validations of its files: the best is validated again
     from its file, and that validation's figures are drawn."""
     capsys.readouterr()
-    cli = _fit(tmp_path, digits_root, EPOCHS, checkpoint="lightning.pytorch.callbacks.ModelCheckpoint")
+    cli = _fit(tmp_path, digits_root, EPOCHS, plain_lightning=True)
+    assert type(cli.trainer.checkpoint_callback).__module__.startswith("lightning.")
     assert cli.trainer.state.fn == "validate"
     assert TITLE not in capsys.readouterr().out
     assert _images(tmp_path / "run")["val/confusion_matrix"] == [1, 2, 3, 3]

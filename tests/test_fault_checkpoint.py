@@ -415,7 +415,7 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint(tmp_path):
         "--model.recipe.lr_scaling", "none", "--model.lr_scheduler", "lightning_modules.schedules.WarmupCosine",
         "--model.lr_scheduler.warmup_epochs", "0",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_last", "true", check=False,
+        "--trainer.callbacks.every_n_train_steps", "1", check=False,
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
@@ -500,8 +500,8 @@ USER_CHECKPOINTS = {
 }
 
 
-# Every key the variants set, at Lightning's default: jsonargparse merges a list entry into the shipped entry of the
-# same class at the same position, so an unset key would be the quickstart's own (every_n_train_steps: 100).
+# Every key the variants set, at Lightning's default: each variant states its whole configuration (jsonargparse merges
+# a list entry into an earlier config's entry of the same class at the same position).
 CHECKPOINT_DEFAULTS = {"monitor": None, "mode": "min", "filename": None, "save_top_k": 1, "save_last": None,
                        "every_n_epochs": None, "every_n_train_steps": None, "train_time_interval": None,
                        "auto_insert_metric_name": False}
@@ -536,6 +536,78 @@ def test_users_own_model_checkpoints_save_what_they_ask_for(tmp_path, digits_roo
     assert named and all(Path(path).is_file() for path in named), summary
     for variant, (_, expected) in USER_CHECKPOINTS.items():
         assert f"{folders[variant]}: {len(expected)} file(s)" in summary
+
+
+def test_a_users_own_model_checkpoint_is_kept_beside_the_runs(tmp_path, digits_root):
+    """The run's checkpoints are its `checkpoint` key's; a training.callbacks.ModelCheckpoint the user lists is a
+    second one, kept, not a replacement: both rank and save into <run>/checkpoints, each by its own metric, and the
+    run's is trainer.checkpoint_callback (what the closing validation, the sweep and the summary read)."""
+    from training.callbacks import StepCheckpoint
+    from training.cli.app import cli_main
+
+    mine = {"class_path": "training.callbacks.ModelCheckpoint",
+            "init_args": {"monitor": "val/loss", "mode": "min", "save_top_k": 1, "filename": "loss-e{epoch}",
+                          "auto_insert_metric_name": False}}
+    overlay, run = tmp_path / "mine.yaml", tmp_path / "run"
+    overlay.write_text(yaml.safe_dump({"trainer": {"callbacks+": [mine]}}))
+    cli = cli_main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(overlay), *TINY,
+                    "--data.root", str(digits_root), "--trainer.default_root_dir", str(run),
+                    "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2",
+                    "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"])
+    kept = [(type(c).__name__, c.monitor) for c in cli.trainer.checkpoint_callbacks]
+    assert kept == [("ModelCheckpoint", "val/acc"), ("StepCheckpoint", None), ("ModelCheckpoint", "val/loss")]
+    assert cli.trainer.checkpoint_callback.monitor == "val/acc"
+    assert isinstance(cli.trainer.checkpoint_callbacks[1], StepCheckpoint)
+    files = {p.name for p in (run / "checkpoints").glob("*.ckpt")}
+    ours, theirs = cli.trainer.checkpoint_callbacks[0], cli.trainer.checkpoint_callbacks[2]
+    assert {Path(ours.best_model_path).name, Path(theirs.best_model_path).name, "last.ckpt"} <= files
+    assert [f for f in files if f.startswith("loss-e")] == [Path(theirs.best_model_path).name]  # its best 1
+    states = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["callbacks"]
+    assert sorted(v["monitor"] for k, v in states.items() if k.startswith("ModelCheckpoint")) == ["val/acc", "val/loss"]
+
+
+def test_a_second_writer_of_the_runs_last_ckpt_is_refused_in_one_line(tmp_path):
+    """A listed ModelCheckpoint with save_last into the run's checkpoint folder would write last.ckpt beside the run's
+    own: refused, naming the fix. Into another folder, or without save_last, or with the run's save_last off, it is
+    kept after the run's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint as LightningCheckpoint
+
+    from training.callbacks import StepCheckpoint
+    from training.callbacks.model_checkpoint import Checkpointing
+    from training.cli.app import run_checkpoints
+
+    folder = tmp_path / "run" / "checkpoints"
+    with pytest.raises(ValueError, match=r"^trainer.callbacks lists a ModelCheckpoint \(monitor val/loss\) that "
+                                         r"writes last.ckpt into .*checkpoints, as the run's own checkpoints do"):
+        run_checkpoints(Checkpointing(), folder, [LightningCheckpoint(dirpath=folder, monitor="val/loss",
+                                                                      save_last=True)])
+    for mine, keys in ((LightningCheckpoint(dirpath=tmp_path / "mine", save_last=True), Checkpointing()),
+                       (LightningCheckpoint(dirpath=folder, save_last=False), Checkpointing()),
+                       (LightningCheckpoint(dirpath=folder, save_last=True), Checkpointing(save_last=False))):
+        kept = run_checkpoints(keys, folder, [mine])
+        assert kept[-1] is mine and isinstance(kept[0], ModelCheckpoint) and isinstance(kept[1], StepCheckpoint)
+
+
+def test_the_checkpoint_keys_set_what_the_run_keeps():
+    """`checkpoint:` builds the run's callbacks: the best k by its monitor (the files named after it) with last.ckpt,
+    and a step checkpoint every N steps; a 0 or false leaves its part out, all of them every callback."""
+    from training.callbacks import StepCheckpoint
+    from training.callbacks.model_checkpoint import Checkpointing
+
+    best, steps = Checkpointing(monitor="val/loss", mode="min", save_top_k=3, every_n_train_steps=7).callbacks(
+        Path("ckpts"))
+    assert (best.monitor, best.mode, best.save_top_k, best.save_last) == ("val/loss", "min", 3, True)
+    assert best.filename == "epoch{epoch:03d}-val_loss{val/loss:.4f}" and Path(best.dirpath).name == "ckpts"
+    assert isinstance(steps, StepCheckpoint) and "'every_n_train_steps': 7" in steps.state_key
+    assert (steps.save_top_k, steps.save_last, steps.filename) == (1, False, "step{step:07d}")
+    assert [type(c).__name__ for c in Checkpointing(every_n_train_steps=0).callbacks(Path("c"))] == ["ModelCheckpoint"]
+    assert [type(c).__name__ for c in Checkpointing(save_top_k=0, save_last=False).callbacks(Path("c"))] == [
+        "StepCheckpoint"]
+    assert Checkpointing(save_top_k=0, save_last=False, every_n_train_steps=0).callbacks(Path("c")) == []
+    with pytest.raises(ValueError, match=r"checkpoint.every_n_train_steps=-1 must be >= 0"):
+        Checkpointing(every_n_train_steps=-1)
+    with pytest.raises(ValueError, match=r"checkpoint.mode='up' is unknown"):
+        Checkpointing(mode="up")
 
 
 def test_the_shipped_step_checkpoint_skips_the_steps_last_ckpt_holds(tmp_path, digits_root, monkeypatch):

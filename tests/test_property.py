@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, assume, example, given, note, setting
 from hypothesis import strategies as st
 from lightning.pytorch import Callback
 
-from tests.helpers import TINY, kill_args, make_image_folder, max_diff, run_cli, shipped_config
+from tests.helpers import NO_RUN_CHECKPOINTS, TINY, kill_args, make_image_folder, max_diff, run_cli, shipped_config
 
 BATCHES = 4  # training batches per epoch at most: 8 images, batch 2
 MAX_STEPS = 8  # optimizer steps per run at most: a run takes seconds, a checkpoint write ~0.2 s
@@ -241,9 +241,11 @@ class Outcome(Callback):
 
 
 def _config(folder: Path, data: Path, case: Case) -> Path:
-    """The quickstart config with the drawn Trainer settings; the user's ModelCheckpoint replaces the shipped ones.
-    ValidationFigures is left out too (a figure per validation takes longer than a step here)."""
+    """The quickstart config with the drawn Trainer settings; the user's ModelCheckpoint alone, the run keeping none of
+    its own (every part of the `checkpoint` key off). ValidationFigures is left out too (a figure per validation takes
+    longer than a step here)."""
     cfg = shipped_config()
+    cfg["checkpoint"] = NO_RUN_CHECKPOINTS
     monitor = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("LearningRateMonitor")]
     mine = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": case.checkpoint}
     cfg["trainer"].update(case.trainer, callbacks=[mine, *monitor], precision="32-true", deterministic=True,

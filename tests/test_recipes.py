@@ -57,7 +57,8 @@ def test_each_recipe_composes_with_the_quickstart_and_trains(recipe, images, tmp
     assert checkpoint["global_step"] == 4
     assert ("current_model_state" in checkpoint) == ema  # EMAWeightAveraging appended to the base callbacks
     names = [c["class_path"].rsplit(".", 1)[-1] for c in config["trainer"]["callbacks"]]
-    assert "ModelCheckpoint" in names and ("EMAWeightAveraging" in names) == ema
+    assert ("EMAWeightAveraging" in names) == ema
+    assert config["checkpoint"]["monitor"] == "val/acc" and "ModelCheckpoint" not in names  # the run's: its own key
 
 
 def _default_list() -> set[str]:
@@ -73,17 +74,19 @@ def _listed_callbacks(config: dict) -> list[str]:
 @pytest.mark.parametrize("path", sorted(p for p in CONFIGS.rglob("*.yaml") if "sweeps" not in p.parts
                                         and p != CONFIGS / "callbacks" / "default.yaml"),
                          ids=lambda p: str(p.relative_to(CONFIGS)))
-def test_no_config_copies_the_callbacks_list(path):
-    """configs/callbacks/default.yaml is the one list: a config names it, appends to it, or replaces its one
-    training.callbacks.ModelCheckpoint (a run keeps the last listed); it never lists the others again."""
-    copied = set(_listed_callbacks(yaml.safe_load(path.read_text()) or {})) & _default_list()
-    assert copied <= {"training.callbacks.ModelCheckpoint"}, copied
+def test_no_config_copies_the_callbacks_list_or_lists_the_runs_checkpoints(path):
+    """configs/callbacks/default.yaml is the one list: a config names it or appends to it, and never lists its
+    callbacks again. Nor does any list a ModelCheckpoint: the run's checkpoints are the `checkpoint` key."""
+    listed = _listed_callbacks(yaml.safe_load(path.read_text()) or {})
+    assert not set(listed) & _default_list()
+    assert not [c for c in listed if c.endswith(("ModelCheckpoint", "StepCheckpoint"))]
 
 
 def test_multilabel_on_the_production_config_keeps_its_frozen_backbone(images, tmp_path, monkeypatch):
-    """recipes/multilabel.yaml over imagenet_ddp8.yaml: the production config's frozen first epoch stays, the one
-    ModelCheckpoint of the run ranks by val/map, and the rest of the list is the default one."""
+    """recipes/multilabel.yaml over imagenet_ddp8.yaml: the production config's frozen first epoch and step
+    checkpoints stay, the run's one ModelCheckpoint ranks by val/map, and the rest of the list is the default one."""
     from training.callbacks import FreezeBackbone, ModelCheckpoint
+    from training.callbacks.model_checkpoint import StepCheckpoint
     from training.cli.app import ImgclsCLI, cli_main
 
     monkeypatch.setattr("sys.argv", ["imgcls"])
@@ -94,7 +97,12 @@ def test_multilabel_on_the_production_config_keeps_its_frozen_backbone(images, t
                     "--trainer.default_root_dir", str(tmp_path / "run")])
     callbacks = cli.trainer.callbacks
     assert [c.epochs for c in callbacks if isinstance(c, FreezeBackbone)] == [1]
-    assert [c.monitor for c in callbacks if isinstance(c, ModelCheckpoint)] == ["val/map"]
+    assert [(c.monitor, c.mode, c.save_top_k, c.save_last) for c in callbacks if isinstance(c, ModelCheckpoint)] == [
+        ("val/map", "max", 2, True)]
+    assert [c.filename for c in callbacks if isinstance(c, ModelCheckpoint)] == [
+        "epoch{epoch:03d}-val_map{val/map:.4f}"]
+    steps = [c.state_key for c in callbacks if isinstance(c, StepCheckpoint)]
+    assert len(steps) == 1 and "'every_n_train_steps': 500" in steps[0]  # imagenet_ddp8.yaml's
     names = {f"{type(c).__module__.split('.')[0]}.{type(c).__name__}" for c in callbacks}
     default = {f"{path.split('.')[0]}.{path.rsplit('.', 1)[-1]}" for path in _default_list()}
     assert default - names == {"lightning.RichModelSummary"}  # TINY's --trainer.enable_model_summary false

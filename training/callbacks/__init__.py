@@ -1,5 +1,6 @@
-"""The callbacks a config names (`trainer.callbacks`), one small module each. The fault guards the CLI adds to every
-run are in training/resume/; docs/DESIGN.md, "Callbacks", lists every callback a run has."""
+"""The callbacks a config names (`trainer.callbacks`, or a key of their own: `checkpoint`, `freeze`), one small module
+each. The fault guards the CLI adds to every run are in training/resume/; docs/DESIGN.md, "Callbacks", lists every
+callback a run has."""
 
 from training.callbacks.figures import ValidationFigures
 from training.callbacks.freezing import FreezeBackbone

@@ -1,14 +1,57 @@
-"""ModelCheckpoint whose last.ckpt is the state at the end of every validation (a hard link where it can be), and
-StepCheckpoint, the crash-recovery saves every N steps that write nothing where that last.ckpt holds the same step."""
+"""A run's checkpoints, set by its own key (`Checkpointing`, the `checkpoint:` of every config), as the CLI adds them:
+ModelCheckpoint, whose last.ckpt is the state at the end of every validation (a hard link where it can be), and
+StepCheckpoint, the crash-recovery saves every N steps that write nothing where that last.ckpt holds the same step.
+
+    checkpoint:
+      monitor: val/map
+"""
 
 from __future__ import annotations
 
-import importlib
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.trainer.states import TrainerFn
+
+from core.config_types import NonNegativeInt, check_arguments
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """The run's checkpoints in <run>/checkpoints: the best k by a metric and last.ckpt at every validation
+    (`ModelCheckpoint`), and a step checkpoint every N steps (`StepCheckpoint`). A ModelCheckpoint listed in
+    trainer.callbacks is another, the user's own, beside these."""
+
+    monitor: str = "val/acc"
+    """The metric that ranks the best checkpoints (multi-label: val/map); it names their files."""
+    mode: Literal["max", "min"] = "max"
+    """max: a higher monitored value is better; min: a lower one (a loss)."""
+    save_top_k: NonNegativeInt = 2
+    """The best checkpoints kept, besides last.ckpt; 0: none."""
+    save_last: bool = True
+    """last.ckpt at the end of every validation, what a resume continues from; false: none."""
+    every_n_train_steps: NonNegativeInt = 100
+    """A step checkpoint every this many optimizer steps (only the newest kept): a kill loses at most as many steps;
+    0: none. Raise it where a save costs more."""
+
+    def __post_init__(self) -> None:
+        check_arguments("checkpoint", Checkpointing, asdict(self))
+
+    def callbacks(self, folder: Path) -> list[lightning_callbacks.ModelCheckpoint]:
+        """The callbacks that keep these checkpoints in `folder` (none for what is 0 or false)."""
+        kept = []
+        if self.save_top_k or self.save_last:
+            kept.append(ModelCheckpoint(
+                dirpath=folder, filename=f"epoch{{epoch:03d}}-{self.monitor.replace('/', '_')}{{{self.monitor}:.4f}}",
+                auto_insert_metric_name=False, monitor=self.monitor, mode=self.mode, save_top_k=self.save_top_k,
+                save_last=self.save_last))
+        if self.every_n_train_steps:
+            kept.append(StepCheckpoint(dirpath=folder, filename="step{step:07d}", auto_insert_metric_name=False,
+                                       every_n_train_steps=self.every_n_train_steps, save_top_k=1, save_last=False))
+        return kept
 
 
 class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
@@ -19,6 +62,12 @@ class ModelCheckpoint(lightning_callbacks.ModelCheckpoint):
 
     validated_step: int | None = None  # the global step of this fit's newest validation, in this process
     validated: dict[str, dict] | None = None  # a saved file -> {step, metrics} of the validation of its weights
+
+    @property
+    def state_key(self) -> str:
+        # Lightning's key (class, monitor, mode, intervals) refuses a second callback of the same settings: the file
+        # names tell the run's from a user's own that ranks by the same metric.
+        return f"{super().state_key}[{self.filename}]"
 
     # Lightning saves at the end of the training epoch when validation runs once per epoch (inside that epoch), else
     # at the end of each validation; last.ckpt follows in the same hook when nothing was saved at this step yet.
@@ -130,28 +179,3 @@ def monitor_candidates(trainer) -> dict[str, torch.Tensor]:
         metrics[key] = logged.int() if isinstance(logged, torch.Tensor) else torch.tensor(value)
     return metrics
 
-
-def one_run_checkpoint(config) -> str | None:
-    """A run has one training.callbacks.ModelCheckpoint (its best-k and last.ckpt): a later config that appends another
-    (recipes/multilabel.yaml, ranking by val/map) replaces the earlier one, in its place. Returns the line that says
-    so, or None."""
-    callbacks = config.trainer.callbacks
-    if not isinstance(callbacks, list):  # none, or a single callback
-        return None
-    ours = [i for i, c in enumerate(callbacks) if names_subclass(c.class_path, ModelCheckpoint)]
-    if len(ours) < 2:
-        return None
-    first, kept = callbacks[ours[0]], callbacks[ours[-1]]
-    config.trainer.callbacks = [kept if i == ours[0] else c for i, c in enumerate(callbacks) if i not in ours[1:]]
-    return (f"trainer.callbacks: the last {kept.class_path} (monitor {kept.init_args.get('monitor')}) replaces the "
-            f"earlier one (monitor {first.init_args.get('monitor')}): a run has one")
-
-
-def names_subclass(class_path: str, kind: type) -> bool:
-    """Whether `class_path` (a config's) names a subclass of `kind`; False where it names nothing importable."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return False
-    return isinstance(found, type) and issubclass(found, kind)

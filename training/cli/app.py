@@ -15,8 +15,11 @@ What the CLI adds that no config file shows (`--print_config` does not list thes
   `CurvesAcrossResumes` among the fault guards (one curve across resumes and kills);
 - the links data -> model (`num_classes`, `class_names`, `multilabel`, `input_contract`, `batch_size`) and the top-level
   `auto_resume`.
-What it adds that `--print_config` shows: `freeze`, the `training.callbacks.FreezeBackbone` of every run (off unless a
-config sets `freeze.epochs`). A run keeps one `training.callbacks.ModelCheckpoint`, the last one its configs list.
+What it adds that `--print_config` shows, each by a key of its own: `checkpoint`, the run's checkpoints in
+<run>/checkpoints (`Checkpointing`, training/callbacks/model_checkpoint.py: a `ModelCheckpoint` and a `StepCheckpoint`,
+before the configured callbacks, so that `trainer.checkpoint_callback` is the run's), and `freeze`, the
+`training.callbacks.FreezeBackbone` of every run (off unless a config sets `freeze.epochs`). A ModelCheckpoint listed
+in `trainer.callbacks` is the user's own, kept beside the run's.
 The data source is any `datamodules.ClassificationData` subclass, chosen by `data.class_path` (default
 `datamodules.ImageFolderDataModule`; docs/EXTENDING.md, "Data source").
 Beside it in training/cli/: what a command takes from a checkpoint (from_checkpoint.py), how the model, data and
@@ -26,6 +29,7 @@ command's parser shares). The run directory and the closing summary are in train
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import sys
 import warnings
@@ -58,8 +62,7 @@ from core.parse_errors import OneLineErrorParser
 from datamodules import ClassificationData, CsvDataModule, HFDataModule, ImageFolderDataModule
 from lightning_modules import ImageClassifier
 from training.callbacks import FreezeBackbone, PredictionWriter, RunConfig
-from training.callbacks import ModelCheckpoint as ImgclsCheckpoint
-from training.callbacks.model_checkpoint import names_subclass, one_run_checkpoint
+from training.callbacks.model_checkpoint import Checkpointing
 from training.cli.from_checkpoint import resolve_checkpoint
 from training.cli.instantiators import DataInstantiator, LoggerInstantiator, ModelInstantiator
 from training.cli.preflight import check_batch_norm, check_input_side, check_monitored
@@ -78,7 +81,8 @@ DEFAULT_DATA = f"{ImageFolderDataModule.__module__}.{ImageFolderDataModule.__nam
 SHORT_NAMED_DATA = (ImageFolderDataModule, CsvDataModule, HFDataModule)
 # Lightning refuses a checkpoint or progress bar callback next to its Trainer switch turned off, and a learning rate
 # monitor without a logger, and keeps a model summary callback whatever its switch says; the shipped callbacks list
-# (configs/callbacks/default.yaml) has each kind, so `--trainer.SWITCH false` alone leaves them out.
+# (configs/callbacks/default.yaml) has each kind but checkpoints (the `checkpoint` key's, which the switch leaves out
+# too), and a user's list may have one: `--trainer.SWITCH false` alone leaves them out.
 SWITCHED = {"enable_checkpointing": Checkpoint, "enable_progress_bar": ProgressBar,
             "enable_model_summary": ModelSummary, "logger": LearningRateMonitor}
 
@@ -149,9 +153,10 @@ class ImgclsCLI(LightningCLI):
         parser.link_arguments("data.multilabel", "model.multilabel", apply_on="instantiate")  # train/labels.csv
         parser.link_arguments("data.input_contract", "model.input_contract", apply_on="instantiate")  # eval transform
         parser.link_arguments("data.batch_size", "model.batch_size", apply_on="instantiate")  # lr scaling
-        # A callback of every run, with a key of its own (freeze.epochs; 0, its default, is off): a config or recipe
-        # turns it on or off without listing trainer.callbacks, to which a later config can append but whose items it
-        # cannot change (jsonargparse's list append).
+        # Callbacks of every run, each with a key of its own (checkpoint.monitor; freeze.epochs, 0 by default: off):
+        # a config or recipe sets them without listing trainer.callbacks, to which a later config can append but whose
+        # items it cannot change (jsonargparse's list append).
+        parser.add_class_arguments(Checkpointing, "checkpoint")
         parser.add_lightning_class_args(FreezeBackbone, "freeze")
         parser.add_argument("--auto_resume", type=bool, default=False,
                             help="fit: resume from the newest intact checkpoint of the run directory, if any")
@@ -179,9 +184,6 @@ class ImgclsCLI(LightningCLI):
             callbacks = config.trainer.callbacks
             if config.trainer.get(switch) in (False, []) and isinstance(callbacks, list):  # logger: [] is none too
                 config.trainer.callbacks = [c for c in callbacks if not names_subclass(c.class_path, kind)]
-        replaced = one_run_checkpoint(config)
-        if replaced:
-            rank_zero_info(replaced)
         for logger in config_loggers(config):
             if getattr(logger, "class_path", "").endswith("WandbLogger") and wandb_online():
                 logger.init_args.offline = False
@@ -205,10 +207,14 @@ class ImgclsCLI(LightningCLI):
         # Every checkpoint is written atomically and loaded with weights_only=True, unless a config names its own
         # CheckpointIO (e.g. training.resume.checkpoints.AsyncAtomicCheckpointIO: the same, written in the background).
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        plugins = (config.get("trainer") or {}).get("plugins") or []
-        plugins = plugins if isinstance(plugins, list) else [plugins]
+        trainer_config = config.get("trainer") or {}
+        plugins = as_list(trainer_config.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        checkpointing = config.get("checkpoint")
+        if checkpointing is not None and trainer_config.get("enable_checkpointing") is not False:
+            folder = Path(trainer_config["default_root_dir"]) / "checkpoints"  # the run directory's, set by now
+            kwargs["callbacks"] = run_checkpoints(checkpointing, folder, as_list(trainer_config.get("callbacks")))
         trainer = super().instantiate_trainer(**kwargs)
         trainer.resume_plan = self.resume_plan  # followed once the ranks agree (AgreedResume._run)
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in trainer.callbacks):
@@ -220,7 +226,7 @@ class ImgclsCLI(LightningCLI):
         validated again from its file only where no validation of the fit was of its weights (ours, not a plain
         Lightning ModelCheckpoint, keeps each saved file's)."""
         trainer = self.trainer
-        ckpt = trainer.checkpoint_callback
+        ckpt = trainer.checkpoint_callback  # the run's (the `checkpoint` key's, listed first), or the user's first
         if trainer.interrupted or not isinstance(ckpt, ModelCheckpoint):
             return
         # Rank 0 wrote the file (maybe on a background thread, maybe on a disk other nodes do not see): its answer
@@ -235,7 +241,8 @@ class ImgclsCLI(LightningCLI):
                            "hold "
                            "them as their state_dict (the trained weights as current_model_state)")
         if trainer.strategy.broadcast(bool(best) and Path(best).exists()):  # a file, or a sharded folder
-            seen = ckpt.best_validation() if isinstance(ckpt, ImgclsCheckpoint) else None
+            # training.callbacks.ModelCheckpoint's record; not a plain Lightning one's
+            seen = ckpt.best_validation() if hasattr(ckpt, "best_validation") else None
             if trainer.strategy.broadcast(seen is not None):
                 # A validation of the fit was of the best checkpoint's weights: its metrics are the best's already.
                 # On stdout, where Lightning prints the table of a validation.
@@ -245,6 +252,35 @@ class ImgclsCLI(LightningCLI):
             else:
                 trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=best, verbose=True)
         rank_zero_info(closing_summary(trainer, best, score, monitor, lasts))
+
+
+def run_checkpoints(checkpointing: Checkpointing, folder: Path, configured: list) -> list:
+    """The run's checkpoint callbacks (`checkpointing`'s, in `folder`), then the configured callbacks. A configured
+    ModelCheckpoint that would write last.ckpt into the same folder is refused in one line: two writers of one file."""
+    ours = checkpointing.callbacks(folder)
+    for callback in configured:
+        if (checkpointing.save_last and isinstance(callback, ModelCheckpoint) and callback.save_last
+                and callback.dirpath and Path(callback.dirpath).resolve() == folder.resolve()):
+            raise ValueError(f"trainer.callbacks lists a {type(callback).__name__} (monitor {callback.monitor}) that "
+                             f"writes last.ckpt into {folder}, as the run's own checkpoints do (the checkpoint key): "
+                             "give it another dirpath or save_last: false (to rank the run's checkpoints by another "
+                             "metric, set checkpoint.monitor and checkpoint.mode instead)")
+    return [*ours, *configured]
+
+
+def as_list(value) -> list:
+    """A Trainer argument that takes one item or a list (callbacks, plugins), as a list."""
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def names_subclass(class_path: str, kind: type) -> bool:
+    """Whether `class_path` (a config's) names a subclass of `kind`; False where it names nothing importable."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(found, type) and issubclass(found, kind)
 
 
 def explicit_values(parser: LightningArgumentParser, args):
