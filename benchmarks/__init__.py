@@ -1,3 +1,3 @@
 """Benchmarks of imgcls against plain baselines, run by `make bench`: results go to
-benchmarks/results/machines/<machine>/*.json, and benchmarks/figures.py renders docs/PERFORMANCE.md and the figures
+benchmarks/results/machines/<machine>/*.json, and benchmarks/pages.py renders docs/PERFORMANCE.md and the figures
 quoted in the docs from them."""

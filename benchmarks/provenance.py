@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The libraries a section's figures can depend on, recorded where installed.
 LIBRARIES = ("torch", "torchvision", "lightning", "torchmetrics", "jsonargparse", "numpy", "pillow", "simplejpeg",
              "torchdata", "litdata", "scikit-learn", "timm", "optuna", "litserve", "onnxruntime")
-# What a benchmark run writes itself (benchmarks.figures): a change there is the run's output, not the measured code.
+# What a benchmark run writes itself (benchmarks.pages): a change there is the run's output, not the measured code.
 OUTPUTS = ("benchmarks/results", "docs", "README.md", "core/measured.json")
 # Environment variables that change what a command measures: shown in front of it.
 SETTINGS_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "CUDA_VISIBLE_DEVICES", "TIMM_TRAIN_PY")

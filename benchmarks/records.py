@@ -1,6 +1,6 @@
 """The benchmarks' records on disk: benchmarks/results/machines/<machine>/<section>.json, one record per section and
 machine. Writing and reading them, and naming a machine's folder and kind; no section is imported here (what a
-record means is its section's, and benchmarks.figures renders it).
+record means is its section's, and benchmarks.pages renders it).
 """
 
 from __future__ import annotations

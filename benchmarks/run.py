@@ -6,7 +6,7 @@
 
 A full run writes benchmarks/results/machines/<machine>/<section>.json (the record below: the section's results, the
 machine, the date and the seconds it took; other machines' records stay, and a skipped run never replaces a measured
-one), then `benchmarks.figures` renders docs/PERFORMANCE.md and the figures quoted in README.md
+one), then `benchmarks.pages` renders docs/PERFORMANCE.md and the figures quoted in README.md
 and docs/ from those files. A quick run writes its records and its page under runs/bench-quick/ (or beside --out),
 never over the committed ones.
 """
@@ -21,7 +21,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks import figures, provenance, records
+from benchmarks import pages, provenance, records
 from benchmarks.common import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def measure(name: str, quick: bool = False) -> dict:
     with provenance.captured_log() as log:
         print(f"running benchmarks.{name}{' --quick' if quick else ''} ...", flush=True)
         results = module.main(quick=quick)
-    return {"section": name, "method": figures.method(name), "mode": "quick" if quick else "full",
+    return {"section": name, "method": pages.method(name), "mode": "quick" if quick else "full",
             "started": f"{started:%Y-%m-%d %H:%M} UTC", "seconds": round(time.perf_counter() - start, 1),
             "machine": machine_info(), "results": results, "provenance": provenance.provenance(state, list(log))}
 
@@ -54,9 +54,9 @@ def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (
     """
     if results is None:
         results = records.RESULTS if not quick else (out.parent if out else QUICK_DIR) / "results"
-    out = out or (QUICK_DIR / "PERFORMANCE.md" if quick else figures.PERFORMANCE)
+    out = out or (QUICK_DIR / "PERFORMANCE.md" if quick else pages.PERFORMANCE)
     failed = []
-    for name in only or figures.SECTIONS:
+    for name in only or pages.SECTIONS:
         try:
             record = measure(name, quick)
         except Exception:  # one broken benchmark must not lose the others' figures
@@ -68,8 +68,8 @@ def main(quick: bool = False, out: Path | None = None, only: tuple[str, ...] = (
             failed.append(f"benchmarks.{name} skipped under CI=true, which can run it: {record['results']['skipped']}")
         if records.store(record, results) is None:
             print(f"benchmarks.{name}: {record['results']['skipped']}; the measured records are kept", flush=True)
-        print(figures.section(name, record), flush=True)
-    figures.main(results, out, docs=results == records.RESULTS)
+        print(pages.section(name, record), flush=True)
+    pages.main(results, out, docs=results == records.RESULTS)
     if failed:
         raise RuntimeError("\n".join(failed))
     return out
@@ -80,7 +80,7 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs")
     parser.add_argument("--out", type=Path, default=None,
                         help="the page to render (default docs/PERFORMANCE.md; quick: runs/bench-quick/PERFORMANCE.md)")
-    parser.add_argument("--only", nargs="+", choices=figures.SECTIONS, default=(),
+    parser.add_argument("--only", nargs="+", choices=pages.SECTIONS, default=(),
                         help="measure these sections only; the others' stored results stay")
     args = parser.parse_args()
     main(args.quick, args.out, tuple(args.only))

@@ -23,7 +23,7 @@ import torch
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # What the benchmarks measured per CPU kind (bf16 autocast and channels_last against fp32 NCHW, fused SGD against
-# torch's loop): written by `python -m benchmarks.figures` from benchmarks/results/, never typed; the reasons quote it.
+# torch's loop): written by `python -m benchmarks.pages` from benchmarks/results/, never typed; the reasons quote it.
 MEASURED = Path(__file__).with_name("measured.json")
 
 

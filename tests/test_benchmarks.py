@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from benchmarks import figures, gpu_check, gpu_end_to_end, run, worker_memory
+from benchmarks import gpu_check, gpu_end_to_end, pages, run, worker_memory
 from benchmarks import records as on_disk
 from benchmarks import serve as serve_bench
 from benchmarks import startup as startup_bench
@@ -39,7 +39,7 @@ def _num(cell: str) -> float:
 
 
 def _committed() -> dict:
-    return {p: p.read_bytes() for p in [*on_disk.RESULTS.rglob("*.json"), figures.PERFORMANCE]}
+    return {p: p.read_bytes() for p in [*on_disk.RESULTS.rglob("*.json"), pages.PERFORMANCE]}
 
 
 @pytest.mark.slow  # every benchmark but the GPU check's (the next test), shrunk: ~1.5 min on 2 cores
@@ -50,7 +50,7 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
     with contextlib.suppress(pytest.skip.Exception):  # under CI=true a server that cannot be had fails the test
         postgres.ensure_installed()  # before the sweep-retry section, whichever test file installed it first
     committed = _committed()
-    sections = tuple(name for name in figures.SECTIONS if name not in gpu_check.SECTIONS)
+    sections = tuple(name for name in pages.SECTIONS if name not in gpu_check.SECTIONS)
     # raises if a section failed, or, under CI=true, was skipped for want of what CI has
     out = run.main(quick=True, out=tmp_path / "PERFORMANCE.md", only=sections)
     assert _committed() == committed, "a quick run rewrote the committed results"
@@ -175,7 +175,7 @@ def test_make_gpu_check_dry_run_runs_every_gpu_section_on_the_cpu(tmp_path):
     committed = _committed()
     # The check and its imgcls fits forked by the preloaded server (its launcher as their interpreter), as a DDP
     # rank is; its pytest, a fresh interpreter.
-    proc = subprocess.run(["make", "--dry-run", "gpu-check", f"GPU_PYTHON={concurrent_python()}"], cwd=figures.ROOT,
+    proc = subprocess.run(["make", "--dry-run", "gpu-check", f"GPU_PYTHON={concurrent_python()}"], cwd=pages.ROOT,
                           env=cli_env(GPU_CHECK_OUT=str(tmp_path)), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _committed() == committed, "a dry run rewrote the committed results"
@@ -213,12 +213,12 @@ class Absent(importlib.abc.MetaPathFinder):
         if name.partition(".")[0] in {NOT_ON_THE_GPU_MACHINE!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Absent())
-from benchmarks import figures
-page = figures.rendered(docs=False)[figures.PERFORMANCE]
-print(sum(f"## {{figures._module(name).TITLE}}" in page for name in figures.SECTIONS), len(figures.SECTIONS))
+from benchmarks import pages
+page = pages.rendered(docs=False)[pages.PERFORMANCE]
+print(sum(f"## {{pages._module(name).TITLE}}" in page for name in pages.SECTIONS), len(pages.SECTIONS))
 """
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=figures.ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(figures.ROOT)})
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=pages.ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(pages.ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     found, sections = map(int, proc.stdout.split())
     assert found == sections
@@ -240,9 +240,9 @@ def test_sections_from_different_machines_are_named_in_the_head():
                 "machine": {"cpu": cpu, "torch": "2.14.1"}}
 
     one, other = "AMD EPYC (avx2, no avx512_bf16/amx), 2 cores", "Xeon (avx2, avx512f, avx512_bf16), 16 cores"
-    same = figures.header({"input_pipeline": [record(one, 60)], "compute_levers": [record(one, 90)]})
+    same = pages.header({"input_pipeline": [record(one, 60)], "compute_levers": [record(one, 90)]})
     assert f"Measured on {one}; torch 2.14.1." in same and "2 min 30 s in all" in same
-    mixed = figures.header({"input_pipeline": [record(one, 60)], "compute_levers": [record(other, 90)]})
+    mixed = pages.header({"input_pipeline": [record(one, 60)], "compute_levers": [record(other, 90)]})
     assert "**Measured on more than one machine**" in mixed
     assert f"{one}; torch 2.14.1: Input pipeline;" in mixed and f"{other}; torch 2.14.1: Compute levers)" in mixed
 
@@ -259,8 +259,8 @@ def test_the_timm_section_runs_only_a_peer_script_kept_outside_the_project(monke
     origin = {"commit": "c" * 40, "clean": True, "on_main": True, "command": "python -m benchmarks.timm_peer"}
     record = {"section": "timm_peer", "mode": "quick", "started": "2026-11-26 10:00 UTC", "seconds": 0.1,
               "machine": {"cpu": "x", "line": "x"}, "results": results, "provenance": origin}
-    assert "Not measured: no peer script" in figures.section("timm_peer", record)
-    monkeypatch.setenv(timm_peer.PEER_ENV, str(figures.ROOT / "benchmarks" / "timm_peer.py"))
+    assert "Not measured: no peer script" in pages.section("timm_peer", record)
+    monkeypatch.setenv(timm_peer.PEER_ENV, str(pages.ROOT / "benchmarks" / "timm_peer.py"))
     with pytest.raises(ValueError, match="inside the project"):
         timm_peer.main(quick=True)
     args = timm_peer.peer_args(timm_peer.RECIPE, tmp_path, tmp_path, 42, bf16=False)
@@ -407,7 +407,7 @@ def test_figures_measured_with_the_kernels_held_are_filed_as_an_estimate(monkeyp
     assert held["cpu"] == (f"{real['cpu']} (an estimate: ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2; "
                            f"{NOT_MODELLED})") and held["cpu"] in held["line"]
     assert "clock, caches or interpreter speed" in NOT_MODELLED
-    script = (figures.ROOT / ".ci" / "as-avx2").read_text()  # the suite's estimate holds the same kernels
+    script = (pages.ROOT / ".ci" / "as-avx2").read_text()  # the suite's estimate holds the same kernels
     assert all(f"{name}={value}" in script for name, value in KERNEL_LIMITS.items())
 
     def record(machine: dict) -> dict:
@@ -421,9 +421,9 @@ def test_figures_measured_with_the_kernels_held_are_filed_as_an_estimate(monkeyp
     estimate = {**held, "cpu_kind": "AVX2 CPU estimate", "cpu_model": "estimating host"}
     native = {**real, "cpu_kind": "AVX2 CPU", "cpu_model": "an AVX2 host"}
     on_disk.store(record(estimate), tmp_path)
-    assert "AVX2 CPU estimate" in [r["machine"]["cpu_kind"] for r in figures.load_all(tmp_path)["startup"]]
+    assert "AVX2 CPU estimate" in [r["machine"]["cpu_kind"] for r in pages.load_all(tmp_path)["startup"]]
     on_disk.store(record(native), tmp_path)
-    kinds = [r["machine"]["cpu_kind"] for r in figures.load_all(tmp_path)["startup"]]
+    kinds = [r["machine"]["cpu_kind"] for r in pages.load_all(tmp_path)["startup"]]
     assert "AVX2 CPU" in kinds and "AVX2 CPU estimate" not in kinds
 
 

@@ -1,7 +1,7 @@
 """The docs say what the code does. Every `--key` flag and config key written in README.md, docs/*.md,
 configs/**/*.yaml and notebooks/*.ipynb is one the real parser takes, every class path there imports, every
 repository path, test and section they name exists, and no config or notebook types a measured figure (the figures of
-README.md and docs/ stand in markers that name their machine: benchmarks/figures.py, tests/test_figures.py). Each
+README.md and docs/ stand in markers that name their machine: benchmarks/pages.py, tests/test_figures.py). Each
 check is a function of the text, shown a planted mistake at the end of this file."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import figures
+from benchmarks import pages
 from benchmarks import records as on_disk
 from tests.helpers import ROOT
 from tests.test_architecture import allowed_arrows
@@ -186,7 +186,7 @@ def recorded_tests() -> frozenset[str]:
     """The test functions that the stored GPU check records name: docs/PERFORMANCE.md shows what a GPU ran under the
     names the tests had then (one renamed since waits in benchmarks.cuda_tests.NOT_YET_RUN_ON_A_GPU for the next)."""
     return frozenset(re.sub(r"\[.*", "", case["test"].partition("::")[2])
-                     for record in figures.load_all().get("cuda_tests", []) if on_disk.measured(record)
+                     for record in pages.load_all().get("cuda_tests", []) if on_disk.measured(record)
                      for case in record["results"]["tests"])
 
 
@@ -372,7 +372,7 @@ def test_every_file_test_and_section_a_text_names_exists(name):
 def test_configs_and_notebooks_type_no_measured_figure(name):
     """Markers are rendered in README.md and docs/ only (tests/test_figures.py holds those): a config's comments and a
     notebook's prose say where a figure is measured, never the figure."""
-    assert not figures.unmarked(TEXTS[name]), f"{name}: {figures.unmarked(TEXTS[name])}"
+    assert not pages.unmarked(TEXTS[name]), f"{name}: {pages.unmarked(TEXTS[name])}"
 
 
 def test_the_readme_is_one_path_of_at_most_250_lines():

@@ -22,7 +22,7 @@ from PIL import Image
 
 from tests.fault_injection import fill
 from tests.helpers import fit_run, last_weights, make_image_folder, max_diff, resume_config, service_unavailable
-from training.records.figures import publish
+from training.records.plots import publish
 from training.resume.checkpoints import AtomicCheckpointIO, CheckpointWriteError, checkpoint_problem
 from training.resume.curves import CurvesAcrossResumes
 from training.resume.disk import optimizer_state_bytes

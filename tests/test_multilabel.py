@@ -16,7 +16,7 @@ from datamodules.listing import read_labels_csv
 from lightning_modules import BackboneWithHead, Recipe
 from lightning_modules.classifier import ImageClassifier
 from tests.helpers import CONFIGS, TINY, TINY_ARCH, make_image_folder
-from training.records.figures import per_class_scores, scores_from_counts
+from training.records.plots import per_class_scores, scores_from_counts
 
 
 def _write_split(folder: Path, rows: list[tuple[str, str]], size: int = 32) -> None:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks import figures, provenance, records, run
+from benchmarks import pages, provenance, records, run
 
 
 def _git(root, *args: str) -> str:
@@ -104,8 +104,8 @@ def _skipping(needs: str):
 def test_under_ci_a_section_skipped_for_what_ci_can_have_fails_the_run(tmp_path, monkeypatch, needs, fails):
     monkeypatch.setattr(run, "measure", _skipping(needs))
     monkeypatch.setattr(records, "store", lambda record, results: None)
-    monkeypatch.setattr(figures, "section", lambda name, record: "")
-    monkeypatch.setattr(figures, "main", lambda *args, **kwargs: [])
+    monkeypatch.setattr(pages, "section", lambda name, record: "")
+    monkeypatch.setattr(pages, "main", lambda *args, **kwargs: [])
     monkeypatch.setenv("CI", "true")
     if fails:
         with pytest.raises(RuntimeError, match="skipped under CI=true"):

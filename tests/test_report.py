@@ -69,7 +69,7 @@ def test_per_class_scores_match_torchmetrics():
         multiclass_recall,
     )
 
-    from training.records.figures import per_class_scores
+    from training.records.plots import per_class_scores
 
     torch.manual_seed(0)
     target = torch.randint(0, 5, (300,))

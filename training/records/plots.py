@@ -1,4 +1,4 @@
-"""Validation pictures for the dashboards: a confusion matrix, per-class precision, recall and F1, and a grid of
+"""Plots of a validation for the dashboards: a confusion matrix, per-class precision, recall and F1, and a grid of
 misclassified images, every epoch (multi-label: the per-class scores only)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Renders every published figure from the benchmarks' result files: docs/PERFORMANCE.md whole, and the figures
 quoted in README.md and docs/*.md between markers.
 
-    python -m benchmarks.figures            # rewrite docs/PERFORMANCE.md and the marked figures
-    python -m benchmarks.figures --check    # rewrite nothing; list what differs from the stored results
+    python -m benchmarks.pages            # rewrite docs/PERFORMANCE.md and the marked figures
+    python -m benchmarks.pages --check    # rewrite nothing; list what differs from the stored results
 
 `make bench` runs it after measuring. A quoted figure is marked, and only what stands between the markers is
 rewritten (a figure may span lines, a table for instance: then the markers stand on lines of their own):
@@ -65,7 +65,7 @@ may be shared: loader, loop and lever candidates are interleaved and their media
 runs go one after the other, so other load during one of them skews that ratio. Each section's results are stored
 per machine in `benchmarks/results/machines/<machine>/<section>.json`, a section shows every machine that measured
 it, and this page, like every figure quoted in README.md and docs/, is rendered from those files by
-`python -m benchmarks.figures`. Regenerate with `make bench` (`make bench-quick` only checks that the
+`python -m benchmarks.pages`. Regenerate with `make bench` (`make bench-quick` only checks that the
 benchmarks run, under runs/bench-quick/; `python -m benchmarks.run --only NAME` re-measures one section and keeps
 the others' results; the three GPU sections come from `make gpu-check` on a CUDA machine, benchmarks/gpu_check.py).
 Each record says where it came from, and each section shows it: the command that measured it

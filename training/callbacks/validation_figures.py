@@ -14,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassConfusionMatrix, MultilabelStatScores
 
-from training.records.figures import (
+from training.records.plots import (
     figure_to_array,
     misclassified_grid,
     per_class_chart,
