@@ -170,11 +170,11 @@ def test_fit_then_validate_last_checkpoint_reproduces_val_acc(digits_root, tmp_p
 
 
 def test_progress_bar_checkpoints_summary_and_loggers_can_be_switched_off_from_the_command_line(digits_root, tmp_path):
-    """The quickstart lists a RichProgressBar, two checkpoint callbacks and a LearningRateMonitor, which Lightning
-    refuses next to their switches turned off (a traceback, before), and a RichModelSummary, which it kept whatever
-    its switch said: --trainer.enable_progress_bar, --trainer.enable_checkpointing, --trainer.logger (false, or an
-    empty list as here) and --trainer.enable_model_summary false (QUIET) leave each out. A user's own callbacks
-    stay."""
+    """The quickstart keeps two checkpoint callbacks (its `checkpoint` key) and lists a RichProgressBar and a
+    LearningRateMonitor, which Lightning refuses next to their switches turned off (a traceback, before), and a
+    RichModelSummary, which it kept whatever its switch said: --trainer.enable_progress_bar,
+    --trainer.enable_checkpointing, --trainer.logger (false, or an empty list as here) and
+    --trainer.enable_model_summary false (QUIET) leave each out. A user's own callbacks stay."""
     run = tmp_path / "run"
     cli = cli_main(["fit", *_tiny_fit_args(digits_root, run, epochs=1), "--trainer.max_steps", "1",
                     "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
