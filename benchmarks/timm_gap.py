@@ -3,7 +3,7 @@
     TIMM_TRAIN_PY=/elsewhere/train.py python -m benchmarks.timm_gap   # writes LOG
 
 An experiment, not a section of `make bench`: its log, LOG, is rendered under the timm section of docs/PERFORMANCE.md
-(`note`, benchmarks.figures.EXPERIMENTS), with the command, commit and machine it came from.
+(`note`, benchmarks.pages.EXPERIMENTS), with the command, commit and machine it came from.
 The timm section (benchmarks.timm_peer) runs the quickstart's recipe with both programs on the demo digits, where one
 validation image is 0.56 points of val/acc. Here the same recipe (train.py's flags from `timm_peer.peer_args`) runs on
 MNIST-like digits (`build_digits`, 1,800 validation images) for each of SEEDS: train.py, imgcls fit as it ships, then
@@ -268,7 +268,7 @@ def note(log: Path = LOG) -> str:
     if not log.is_file():
         shown = log.relative_to(ROOT) if log.is_relative_to(ROOT) else log
         return f"### {TITLE}\n\nNot measured: no {shown} (`python -m benchmarks.timm_gap`)."
-    from benchmarks.figures import origin
+    from benchmarks.pages import origin
 
     record = json.loads(log.read_text())
     body, settings = render(record["results"])

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from benchmarks import figures, timm_gap
+from benchmarks import pages, timm_gap
 
 
 def test_the_schedule_is_timms_as_train_py_builds_it():
@@ -87,4 +87,4 @@ def test_each_variant_changes_one_thing_and_the_table_comes_from_the_runs(monkey
     note = timm_gap.note(log)
     assert note.startswith(f"### {timm_gap.TITLE}\n\n{body}\n\n_{settings}. Machine: a CPU._")
     assert "`python -m benchmarks.timm_gap` at commit `cccccccccc`" in note and "not on main**): a harness;" in note
-    assert figures.EXPERIMENTS["timm_peer"] == ("timm_gap",) and timm_gap.note() in figures.PERFORMANCE.read_text()
+    assert pages.EXPERIMENTS["timm_peer"] == ("timm_gap",) and timm_gap.note() in pages.PERFORMANCE.read_text()
