@@ -114,15 +114,24 @@ class ForgetScaler(Callback):
 
 
 class FillDisk(Callback):
-    """Fill the disk of `path` after training step `step` (after any checkpoint of that step was written): `path`
-    grows until the file system has no byte left, as other jobs on a shared disk would leave it."""
+    """Fill the disk of `path` after training step `step` (after any checkpoint of that step was written), or, with
+    `at_validation`, as the validation after that step starts (after the step's logged rows): `path` grows until the
+    file system has no byte left, as other jobs on a shared disk would leave it."""
 
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
+    def __init__(self, step: int, path: str, at_validation: bool = False) -> None:
+        self.step, self.path, self.at_validation = step, path, at_validation
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def _fill(self, trainer) -> None:
         if trainer.global_step == self.step and trainer.is_global_zero and not os.path.exists(self.path):
             fill(Path(self.path))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.at_validation:
+            self._fill(trainer)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.at_validation and not trainer.sanity_checking:
+            self._fill(trainer)
 
 
 def fill(path: Path, leave: int = 0) -> None:

@@ -221,17 +221,18 @@ def test_a_fit_on_a_small_disk_says_so_stops_in_one_line_and_resumes_exactly_onc
 
 def test_a_logger_that_finds_the_disk_full_stops_the_fit_in_the_same_line_and_the_curves_stay_whole(tmp_path, data,
                                                                                                       disk):
-    """The disk fills after step 3. The validation of step 4 skips its figures in one line; a logger's next write
-    fails (TensorBoard's of the figures' images, or the rows of the checkpoint that follows, written before it), and
-    the fit stops in the checkpoint's line, naming step 2's; step 4's checkpoint is never begun. Freed, the same
-    command resumes from it: the weights and every logged value per step equal a run's on a disk with room, each step
-    once."""
+    """The disk fills as the validation after step 4 starts, once the step's rows are logged: what is left is the
+    slack in the last page of each open file, too little for a new file or an image. The validation skips its figures
+    in one line; a logger's next write fails (TensorBoard's of the figures' images, or the rows of the checkpoint that
+    follows, written before it), and the fit stops in the checkpoint's line, naming step 2's; step 4's checkpoint is
+    never begun. Freed, the same command resumes from it: the weights and every logged value per step equal a run's
+    on a disk with room, each step once."""
     config = _config(tmp_path, data, loggers=True)
     reference = tmp_path / "reference"
     fit_run(config, reference)
     run, filler = disk / "run", disk / "filler"
-    fill_args = ["--trainer.callbacks+=tests.fault_injection.FillDisk", "--trainer.callbacks.step", "3",
-                 "--trainer.callbacks.path", str(filler)]
+    fill_args = ["--trainer.callbacks+=tests.fault_injection.FillDisk", "--trainer.callbacks.step", "4",
+                 "--trainer.callbacks.path", str(filler), "--trainer.callbacks.at_validation", "true"]
 
     stopped = fit_run(config, run, *fill_args, check=False)
     assert stopped.returncode == WRITE_FAILED, stopped.stderr[-4000:]
