@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from core.command_line import parse_settings
+from core.extras import require_extra
 from datamodules.transforms import CONTRACT_VALUES, default_contract, eval_pipeline, name_of
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
@@ -81,6 +82,8 @@ def preprocessing(contract: dict) -> dict:
 def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -> Path:
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is unknown; choose one of {', '.join(FORMATS)}")
+    if fmt == "onnx":
+        require_extra("export", "imgcls export --format onnx")
     model, contract = load_for_export(ckpt_path)
     pre = preprocessing(contract)
     out = Path(out_dir) if out_dir else Path(ckpt_path).resolve().parent.parent / "export"
