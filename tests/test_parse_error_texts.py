@@ -1,4 +1,4 @@
-"""The texts of jsonargparse's parse errors that training/cli/parse_errors.py rewrites into one line, pinned: one case
+"""The texts of jsonargparse's parse errors that core/parse_errors.py rewrites into one line, pinned: one case
 per pattern it reads, fed to `imgcls fit` in this process (parsing only). Each case names the fragment of
 jsonargparse's own message that its pattern reads and the line the user gets. A jsonargparse that words any of them
 otherwise fails here by name; pyproject.toml keeps jsonargparse below its next minor version, raised once this
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-import training.cli.parse_errors as parse_errors
+import core.parse_errors as parse_errors
+from imgcls.commands import main
 from tests.helpers import CONFIGS
-from training.cli.app import main
 
 # name -> (arguments after the quickstart config, or a config file's text; a fragment of jsonargparse's message; the
 # start of the one line printed)
