@@ -1,5 +1,5 @@
 # imgcls: `make train` trains the quickstart on the demo digits, `make test` runs the test suite.
-# Both create .venv and install the package on a fresh machine first.
+# Both create .venv and install the package on a fresh machine first, every dependency from requirements.lock.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
@@ -8,16 +8,25 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   ?= data/digits
 CONFIG ?= configs/quickstart.yaml
 RUNS   ?= runs
+LOCK   := requirements.lock
 
-.PHONY: install train data test test-fast bench bench-quick gpu-wheels gpu-check dashboard sweep-dashboard lint clean
+.PHONY: install lock train data test test-fast bench bench-quick gpu-wheels gpu-check dashboard sweep-dashboard lint \
+        clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+# The lock: every dependency of pyproject.toml (base, every extra, dev) pinned with the hashes of PyPI's files, for
+# every platform (uv's universal resolution). Run it after editing pyproject.toml: pins that still fit are kept;
+# UPGRADE=1 moves every pin to the newest version pyproject.toml allows.
+lock: $(STAMP)
+	$(BIN)/uv pip compile pyproject.toml --all-extras --universal --python-version 3.11 --generate-hashes \
+	    --index-url https://pypi.org/simple --custom-compile-command "make lock" $(if $(UPGRADE),--upgrade) -o $(LOCK)
 
 data: $(STAMP)
 	$(BIN)/imgcls demo-data $(DATA)

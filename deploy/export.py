@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from core.command_line import parse_settings
+from core.extras import require_extra
 from datamodules.transforms import CONTRACT_VALUES, eval_pipeline, name_of
 from lightning_modules import ImageClassifier
 from lightning_modules.network import without_pretrained_weights
@@ -67,6 +68,8 @@ def preprocessing_section(contract: dict) -> dict:
 def export(ckpt_path: str | Path, fmt: str, out_dir: str | Path | None = None) -> Path:
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is unknown; choose one of {', '.join(FORMATS)}")
+    if fmt == "onnx":
+        require_extra("export", "imgcls export --format onnx")
     model, contract = load_for_export(ckpt_path)
     pre = preprocessing_section(contract)
     out = Path(out_dir) if out_dir else Path(ckpt_path).resolve().parent.parent / "export"

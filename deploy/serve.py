@@ -23,11 +23,14 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import litserve as ls
 import torch
 
 from core.command_line import parse_settings
 from core.config_types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from core.extras import require_extra
+
+require_extra("serve", "imgcls serve")  # before LitServe's import: without the extra, one line and no traceback
+import litserve as ls  # noqa: E402
 
 log = logging.getLogger("imgcls.serve")
 

@@ -35,11 +35,12 @@ EPILOG = "other commands:\n" + "".join(f"  {name:<12} {text}\n" for name, (_, te
 def main(argv: list[str] | None = None) -> None:
     """The `imgcls` console script (started through startup.py)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in EXTRA_COMMANDS:
-        importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:], **HANDED.get(args[0], {}))
-        return
     try:
-        cli_main(argv, epilog=EPILOG)  # None: LightningCLI reads sys.argv itself
+        if args and args[0] in EXTRA_COMMANDS:
+            # a command whose extra is missing says so on import or at its start (core.extras.require_extra)
+            importlib.import_module(EXTRA_COMMANDS[args[0]][0]).main(args[1:], **HANDED.get(args[0], {}))
+        else:
+            cli_main(argv, epilog=EPILOG)  # None: LightningCLI reads sys.argv itself
     except Exception as err:
         code = exit_code(err)  # a one-line message printed for the user's mistakes and lost peers; None: re-raise
         if code is None:

@@ -78,7 +78,7 @@ FENCE = {
 
 def test_lightning_is_pinned_to_the_minor_version_read():
     pinned = next(line for line in open(ROOT / "pyproject.toml") if '"lightning' in line)
-    assert '"lightning>=2.6,<2.7"' in pinned
+    assert '"lightning>=2.6.1,<2.7"' in pinned
     assert version("lightning").startswith("2.6.")
 
 

@@ -42,6 +42,7 @@ import yaml
 
 from core.command_line import parse_settings
 from core.config_types import PositiveInt
+from core.extras import require_extra
 from training.records.secrets import redact_secrets
 from training.sweeps.loop import grid_points, heartbeat_interval, new_trials, open_study, run_trials
 from training.sweeps.progress import SweepProgress
@@ -300,6 +301,7 @@ def run_sweep(sweep: Sweep, out: Path, url: str, *, budget: int | None, workers:
 def main(argv: list[str] | None = None, *, launcher: Sequence[str]) -> None:
     """`imgcls sweep ARGV`; `launcher`, what starts a trial's `imgcls fit` process after `sys.executable` (handed
     down by the command on top: `-m imgcls.trial`)."""
+    require_extra("sweep", "imgcls sweep")
     argv = sys.argv[1:] if argv is None else list(argv)
     _sweep_file_as_settings(argv)
     args = parse_settings(SweepSettings, argv, prog="imgcls sweep", description=__doc__)
