@@ -164,9 +164,15 @@ class ResumableCSVLogger(_StopsAtAFailedWrite, CSVLogger):
 
 
 class ResumableTensorBoardLogger(_StopsAtAFailedWrite, TensorBoardLogger):
-    """Lightning's TensorBoardLogger, whose fits hide what an earlier process logged at their steps and later."""
+    """Lightning's TensorBoardLogger, whose fits hide what an earlier process logged at their steps and later, and
+    which leaves out the `epoch` that Lightning adds to every row: TensorBoard draws each curve against the step, and
+    sorts its cards by name, so that a staircase of the epoch came before the curves (CSV and W&B keep it)."""
 
     FILES = "the TensorBoard event file"
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        super().log_metrics({key: value for key, value in metrics.items() if key != "epoch"}, step)
 
     @rank_zero_only
     def log_result(self, params: dict, value: float, step: int) -> None:
