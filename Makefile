@@ -10,7 +10,7 @@ CONFIG ?= configs/quickstart.yaml
 RUNS   ?= runs
 LOCK   := requirements.lock
 
-.PHONY: install lock train data test test-fast bench bench-quick gpu-wheels gpu-check dashboard sweep-dashboard lint \
+.PHONY: install lock train data test test-fast bench bench-quick gpu-wheels gpu-check dashboard sweep-dashboard pictures lint \
         clean
 
 install: $(STAMP)
@@ -69,11 +69,18 @@ sweep-dashboard: export IMGCLS_SWEEP_STORAGE := $(or $(STORAGE),$(IMGCLS_SWEEP_S
 sweep-dashboard: $(STAMP)
 	$(BIN)/python -m training.sweeps.dashboard --port $(PORT)
 
+# The pictures of README.md and docs/EXPERIMENTS.md (benchmarks/pictures.py): the quickstart and a short sweep trained
+# under $(RUNS)/pictures/, their dashboards opened in headless Chromium (Debian's `chromium`), checked, photographed
+# into docs/pictures/ with pictures.json (the machine, commit and command that made them).
+pictures: data
+	$(BIN)/python -m benchmarks.pictures
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# What `make train`, `make bench-quick` and the tools made, and nothing else: a run of yours under $(RUNS)/ stays.
-MADE   ?= $(DATA) $(RUNS)/quickstart $(RUNS)/bench-quick .pytest_cache .ruff_cache
+# What `make train`, `make bench-quick`, `make pictures` and the tools made, and nothing else: a run of yours under
+# $(RUNS)/ stays.
+MADE   ?= $(DATA) $(RUNS)/quickstart $(RUNS)/bench-quick $(RUNS)/pictures .pytest_cache .ruff_cache
 
 clean:
 	@for path in $(MADE); do if [ -e "$$path" ]; then rm -rf "$$path" && echo "removed $$path"; fi; done

@@ -238,7 +238,8 @@ class ImageClassifier(L.LightningModule):
     def configure_optimizers(self):
         optimizer = self.make_optimizer()
         scheduler = self.lr_plan.scheduler(optimizer, self.trainer, target_of(self.optimizer_factory).__name__)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer,  # name: LearningRateMonitor's tags (train/lr/pg1, ...), by the training curves
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, threshold: float | None = None) -> ImageClassifier:

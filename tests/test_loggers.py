@@ -10,9 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from lightning.pytorch.loggers import WandbLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams.metadata import (
+    EXPERIMENT_TAG,
+    SESSION_START_INFO_TAG,
+    parse_session_start_info_plugin_data,
+)
 
 from tests.helpers import (
     CONFIGS,
@@ -28,7 +34,7 @@ from tests.helpers import (
     wandb_offline_runs,
 )
 from training.cli.app import ImgclsCLI, cli_main
-from training.records.loggers import SecretSafeWandbLogger
+from training.records.loggers import HP_METRIC, RESULT_RUN, SecretSafeWandbLogger, hyperparameters
 from training.records.report import read_run
 from training.records.run_dir import WANDB_RUN_ID_FILE
 
@@ -53,22 +59,56 @@ def wandb_run(tmp_path_factory, digits_root) -> Path:
     return run
 
 
-def test_tensorboard_events_hold_val_acc_every_epoch_and_pictures(wandb_run):
+def tensorboard_events(run: Path) -> tuple[dict[str, list], dict[str, list]]:
+    """The scalars and images of a run's own event files (not of the runs in its sub-folders), by tag."""
     scalars, images = {}, {}
-    for events in wandb_run.glob("events.out.tfevents.*"):
+    for events in run.glob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "images": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend(acc.Scalars(tag))
         for tag in acc.Tags()["images"]:
             images.setdefault(tag, []).extend(acc.Images(tag))
-    epochs = {int(e.value) for e in scalars["epoch"]}
-    assert epochs >= set(range(EPOCHS))
+    return scalars, images
+
+
+def test_tensorboard_events_hold_val_acc_every_epoch_and_pictures(wandb_run):
+    scalars, images = tensorboard_events(wandb_run)
     # val/acc once per epoch; no closing validation: the fit's validation of the best weights is known
     values = [e.value for e in sorted(scalars["val/acc"], key=lambda e: e.wall_time)]
     assert len(values) == EPOCHS and all(0.0 <= v <= 1.0 for v in values)
     for tag in ("val/confusion_matrix", "val/misclassified"):  # the first and the last validation always drawn
         assert len(images[tag]) == EPOCHS
+
+
+def test_tensorboard_opens_on_the_train_and_val_curves_without_an_epoch_card(wandb_run):
+    """TensorBoard sorts its cards by tag and opens the first two groups: every tag of the run is under train/ or
+    val/ (the learning rate too), and `epoch` is left out (CSV and W&B keep it)."""
+    scalars, images = tensorboard_events(wandb_run)
+    assert {tag.split("/")[0] for tag in [*scalars, *images]} == {"train", "val"}
+    assert "epoch" not in scalars
+
+
+def test_the_runs_result_is_its_best_val_acc_with_its_settings(wandb_run):
+    """The HPARAMS tab's row of the run (its `hparams` sub-run): val/hp_metric is the best val/acc, which the best
+    checkpoint holds, logged once at the fit's last step, beside the run's settings under their command-line names."""
+    scalars, _ = tensorboard_events(wandb_run)
+    assert "hp_metric" not in scalars  # Lightning's placeholder (-1): configs say default_hp_metric: false
+    best = max(e.value for e in scalars["val/acc"])
+    acc = EventAccumulator(str(wandb_run / RESULT_RUN), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert acc.Tags()["scalars"] == [HP_METRIC]
+    (result,) = acc.Scalars(HP_METRIC)
+    last = torch.load(wandb_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    (ranking,) = [c for k, c in last["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert result.value == pytest.approx(best) == float(ranking["best_model_score"])
+    assert result.step == last["global_step"]
+    start = acc.summary_metadata[SESSION_START_INFO_TAG].plugin_data.content
+    settings = parse_session_start_info_plugin_data(start).hparams
+    assert settings["model.optimizer"].string_value == "torch.optim.AdamW"
+    assert settings["model.optimizer.lr"].number_value == pytest.approx(0.016)
+    assert settings["trainer.max_epochs"].number_value == EPOCHS and settings["git.commit"].string_value == git_head()
+    assert EXPERIMENT_TAG not in acc.summary_metadata  # TensorBoard builds the table from every run: what differs first
 
 
 def test_hyperparameters_hold_config_git_and_data_summary(wandb_run, digits_root):
@@ -153,7 +193,7 @@ def test_every_logger_holds_each_step_once_after_a_kill_and_a_resume(tmp_path, d
     resumed = run_cli(*args, env=wandb_offline_env())
     assert f"resuming from {run / 'checkpoints' / 'step0000004.ckpt'}" in resumed.stdout + resumed.stderr
     every = list(range(12))
-    keys = ("train/loss", "lr-AdamW/pg1")
+    keys = ("train/loss", "train/lr/pg1")
 
     with open(run / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -181,3 +221,21 @@ def test_every_logger_holds_each_step_once_after_a_kill_and_a_resume(tmp_path, d
     # From the fit that continued: step 4's loss as the resumed fit logged it (bitwise, as the resume is exact).
     assert dict(series["train/loss"])[4] == pytest.approx(float(next(r for r in rows if r.get("train/loss")
                                                                       and int(r["step"]) == 4)["train/loss"]))
+
+
+def test_the_hparams_columns_are_the_settings_under_their_command_line_names():
+    config = {"seed_everything": 42, "ckpt_path": None,
+              "trainer": {"max_epochs": 8, "precision": "auto", "max_steps": -1, "gradient_clip_val": None,
+                          "logger": [{"class_path": "x"}], "default_root_dir": "runs/q"},
+              "model": {"net": {"class_path": "lightning_modules.BackboneWithHead",
+                                "init_args": {"arch": "resnet50", "weights": None, "dropout": 0.2}},
+                        "optimizer": {"class_path": "torch.optim.AdamW",
+                                      "init_args": {"lr": 0.016, "betas": [0.9, 0.99]}},
+                        "recipe": {"mixup_alpha": 0.0, "lr_scaling": "linear"}, "multilabel": False},
+              "data": {"class_path": "datamodules.ImageFolderDataModule", "init_args": {"batch_size": 64}}}
+    assert hyperparameters(config) == {
+        "model.net": "lightning_modules.BackboneWithHead", "model.net.arch": "resnet50", "model.net.dropout": 0.2,
+        "model.optimizer": "torch.optim.AdamW", "model.optimizer.lr": 0.016, "model.optimizer.betas": "[0.9, 0.99]",
+        "model.recipe.mixup_alpha": 0.0, "model.recipe.lr_scaling": "linear", "model.multilabel": False,
+        "data": "datamodules.ImageFolderDataModule", "data.batch_size": 64,
+        "seed_everything": 42, "trainer.max_epochs": 8, "trainer.max_steps": -1, "trainer.precision": "auto"}

@@ -25,7 +25,7 @@ def test_report_from_csv_log_writes_curves_and_summary(tmp_path, digits_root):
         with Image.open(out / name) as img:
             assert img.size[0] > 300 and img.size[1] > 200
     series = read_csv(run)
-    assert len(series["train/loss"]) == 6 and len(series["lr-AdamW/pg4"]) == 6  # every step of 2 x 3 batches
+    assert len(series["train/loss"]) == 6 and len(series["train/lr/pg4"]) == 6  # every step of 2 x 3 batches
     assert len(series["train/acc"]) == 2  # once per epoch, under the name the dashboards show
     assert not {"train/acc_step", "train/acc_epoch"} & set(series)
     with open(run / "metrics.csv", newline="") as f:

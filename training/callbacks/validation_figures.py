@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassConfusionMatrix, MultilabelStatScores
 
 from training.records.plots import (
+    ConfidentMistakes,
     figure_to_array,
     misclassified_grid,
     per_class_chart,
@@ -34,8 +35,9 @@ class ValidationFigures(Callback):
     TensorBoard, a table in W&B; the chart is drawn for up to 40 classes).
 
     The confusion matrix is a torchmetrics metric, so under DDP it counts every rank's images; the misclassified
-    grid shows the first `max_images` mistakes that rank 0 sees (cheap: no extra forward pass, the logits are taken
-    from the model's own forward through a hook).
+    grid shows the `max_images` most confident mistakes that rank 0 sees, across all classes, each captioned
+    "true -> predicted" with its confidence (cheap: no extra forward pass, the logits are taken from the model's own
+    forward through a hook).
 
     A figure that cannot be written (a full disk) is skipped with one line, and the fit goes on; the logger's images
     are the logger's writes, which stop the fit when they fail (training/records/loggers.py).
@@ -62,7 +64,7 @@ class ValidationFigures(Callback):
         self._pending: tuple[Callable[..., None], int, int] | None = None  # (draw, epoch, step) not drawn yet
         self._logits: torch.Tensor | None = None
         self._hook = None
-        self._mistakes: list[tuple[torch.Tensor, int, int]] = []
+        self._mistakes = ConfidentMistakes(max_images)
         self.confusion: MulticlassConfusionMatrix | None = None
         self.label_counts: MultilabelStatScores | None = None  # multi-label: per class tp, fp, tn, fn, support
 
@@ -83,7 +85,7 @@ class ValidationFigures(Callback):
         if self.confusion is not None:
             self.confusion = self.confusion.to(pl_module.device)
             self.confusion.reset()
-        self._mistakes = []
+        self._mistakes = ConfidentMistakes(self.max_images)
 
         def keep_logits(module, args, output):
             # Under DDP, Lightning routes validation_step through the module's __call__ too (it returns None).
@@ -100,11 +102,9 @@ class ValidationFigures(Callback):
             self.label_counts.update(self._logits.sigmoid(), y.int())
             self._logits = None
             return
-        preds = self._logits.argmax(dim=1)
-        self.confusion.update(preds, y)
-        if trainer.is_global_zero and len(self._mistakes) < self.max_images:
-            for i in torch.nonzero(preds != y).flatten()[: self.max_images - len(self._mistakes)].tolist():
-                self._mistakes.append((x[i].float().cpu(), int(y[i]), int(preds[i])))
+        self.confusion.update(self._logits.argmax(dim=1), y)
+        if trainer.is_global_zero:
+            self._mistakes.update(x, y, self._logits)
         self._logits = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -121,8 +121,8 @@ class ValidationFigures(Callback):
             draw = functools.partial(self._draw_label_scores, names, counts)
         else:
             matrix = self.confusion.compute().cpu()  # all ranks take part: the counts are summed across processes
-            draw = functools.partial(self._draw_matrix_and_mistakes, names, matrix, self._mistakes)
-        self._mistakes = []
+            draw = functools.partial(self._draw_matrix_and_mistakes, names, matrix, self._mistakes.kept)
+        self._mistakes = ConfidentMistakes(self.max_images)
         if not trainer.is_global_zero:
             return
         self._pending = (draw, trainer.current_epoch, trainer.global_step)

@@ -164,9 +164,30 @@ class ResumableCSVLogger(_StopsAtAFailedWrite, CSVLogger):
 
 
 class ResumableTensorBoardLogger(_StopsAtAFailedWrite, TensorBoardLogger):
-    """Lightning's TensorBoardLogger, whose fits hide what an earlier process logged at their steps and later."""
+    """Lightning's TensorBoardLogger, whose fits hide what an earlier process logged at their steps and later, and
+    which leaves out the `epoch` that Lightning adds to every row: TensorBoard draws each curve against the step, and
+    sorts its cards by name, so that a staircase of the epoch came before the curves (CSV and W&B keep it)."""
 
     FILES = "the TensorBoard event file"
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        super().log_metrics({key: value for key, value in metrics.items() if key != "epoch"}, step)
+
+    @rank_zero_only
+    def log_result(self, params: dict, value: float, step: int) -> None:
+        """The run's result, HP_METRIC, with its settings for TensorBoard's HPARAMS tab, in a run of its own below
+        this one (RESULT_RUN). Its only scalar is then the only metric there, shown by default, and TensorBoard,
+        finding no experiment summary (Lightning's log_hyperparams writes one), builds the table from every run's
+        settings and shows first those that differ between the runs: a sweep's parameters."""
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        _, start, end = hparams(params, {HP_METRIC: value})
+        with SummaryWriter(os.path.join(self.log_dir, RESULT_RUN)) as writer:
+            writer.file_writer.add_summary(start, step)
+            writer.file_writer.add_summary(end, step)
+            writer.add_scalar(HP_METRIC, value, step)
 
     @rank_zero_only
     def starts_at(self, step: int) -> None:
@@ -178,6 +199,43 @@ class ResumableTensorBoardLogger(_StopsAtAFailedWrite, TensorBoardLogger):
     @rank_zero_only
     def checkpointing(self, step: int) -> None:
         self.write(self.experiment.flush)  # the events a checkpoint covers reach the disk before it
+
+
+# The run's result in TensorBoard's HPARAMS tab: the best value of the metric that ranks its checkpoints. Under val/
+# with the curves, whose cards TensorBoard sorts by name and opens the first two groups of (train/ and val/).
+HP_METRIC = "val/hp_metric"
+RESULT_RUN = "hparams"  # the folder of the run's result, in its TensorBoard folder
+# Of the trainer's settings, those that change what a run learns: HPARAMS columns beside the model's and the data's.
+LEARNING_KEYS = ("seed_everything", "trainer.max_epochs", "trainer.max_steps", "trainer.precision",
+                 "trainer.accumulate_grad_batches", "trainer.gradient_clip_val", "trainer.devices", "trainer.num_nodes")
+
+
+def hyperparameters(config: dict) -> dict[str, int | float | str | bool]:
+    """A resolved config (config.yaml as a dict) -> the columns that runs and sweep trials are compared by in
+    TensorBoard's HPARAMS tab, under their command-line names: every value of `model` and `data` (a part given by
+    class_path under its own key, its arguments below it: `model.optimizer`, `model.optimizer.lr`) and LEARNING_KEYS.
+    Null values are left out (TensorBoard takes none); a list is shown as text."""
+    flat: dict[str, int | float | str | bool] = {}
+
+    def walk(key: str, value) -> None:
+        if isinstance(value, dict):
+            if "class_path" in value:
+                walk(key, value["class_path"])
+                value = value.get("init_args") or {}
+            for name, item in value.items():
+                walk(f"{key}.{name}", item)
+        elif value is not None:
+            flat[key] = value if isinstance(value, int | float | str | bool) else str(value)
+
+    for section in ("model", "data"):
+        walk(section, config.get(section) or {})
+    for key in LEARNING_KEYS:
+        *parents, name = key.split(".")
+        node = config
+        for parent in parents:
+            node = node.get(parent) or {}
+        walk(key, node.get(name))
+    return flat
 
 
 # Seconds between W&B's writes of a run's file (`.wandb`, what `wandb sync` uploads): the rows a checkpoint covers are

@@ -1,11 +1,12 @@
 """Plots of a validation for the dashboards: a confusion matrix, per-class precision, recall and F1, and a grid of
-misclassified images, every epoch (multi-label: the per-class scores only)."""
+the most confident misclassified images, every epoch (multi-label: the per-class scores only)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -50,18 +51,46 @@ def per_class_chart(names: list[str], scores: np.ndarray, epoch: int) -> np.ndar
     return figure_to_array(fig)
 
 
-def misclassified_grid(mistakes: list[tuple[torch.Tensor, int, int]], names: list[str], *, cols: int = 4,
-                       tile: int = 128) -> np.ndarray:
-    """(image (3, H, W), true class, predicted class) tiles under "true -> predicted" captions: (H, W, 3) uint8.
+class Mistake(NamedTuple):
+    image: torch.Tensor  # (3, H, W), as the model saw it
+    true: int
+    predicted: int
+    confidence: float  # the predicted class's probability
+
+
+class ConfidentMistakes:
+    """The `k` most confident wrong predictions among all the batches shown to `update`, most confident first (ties:
+    the one seen first): the model's worst errors across every class, not the first ones in the data's order."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.kept: list[Mistake] = []
+
+    def update(self, images: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor) -> None:
+        """One batch: images (B, 3, H, W), class indices (B,), logits (B, C)."""
+        confidence, predicted = logits.detach().float().softmax(dim=1).max(dim=1)
+        wrong = torch.nonzero(predicted != targets).flatten()
+        if self.k <= 0 or not len(wrong):
+            return
+        wrong = wrong[confidence[wrong].argsort(descending=True, stable=True)][: self.k]
+        floor = self.kept[-1].confidence if len(self.kept) == self.k else -1.0
+        new = [Mistake(images[i].float().cpu(), int(targets[i]), int(predicted[i]), c)
+               for i, c in zip(wrong.tolist(), confidence[wrong].tolist(), strict=True) if c > floor]
+        self.kept = sorted(self.kept + new, key=lambda m: -m.confidence)[: self.k]  # stable: earlier ones first
+
+
+def misclassified_grid(mistakes: list[Mistake], names: list[str], *, cols: int = 4, tile: int = 128) -> np.ndarray:
+    """Mistakes as tiles under two caption lines, "true -> predicted" and the confidence: (H, W, 3) uint8.
 
     Drawn with PIL, not matplotlib: a 16-panel matplotlib figure costs about a CPU-second per validation epoch.
     """
-    caption = 18
+    line = 16
+    caption = 2 * line + 2
     font = ImageFont.load_default(size=14)  # Pillow's bundled font: no font files needed
     rows = max(1, -(-len(mistakes) // cols))
     sheet = Image.new("RGB", (cols * tile, rows * (tile + caption)), "white")
     draw = ImageDraw.Draw(sheet)
-    for k, (image, true, pred) in enumerate(mistakes):
+    for k, (image, true, pred, confidence) in enumerate(mistakes):
         x, y = (k % cols) * tile, (k // cols) * (tile + caption)
         picture = Image.fromarray((to_display(image) * 255).round().astype(np.uint8))
         side = tile - 4
@@ -70,6 +99,7 @@ def misclassified_grid(mistakes: list[tuple[torch.Tensor, int, int]], names: lis
         elif (scale := side // max(picture.size)) > 1:  # small images: enlarged by whole pixels, not blurred
             picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
         draw.text((x + 4, y + 2), f"{names[true]} -> {names[pred]}"[: tile // 8], fill=(200, 30, 30), font=font)
+        draw.text((x + 4, y + 2 + line), f"confidence {confidence:.2f}", fill=(90, 90, 90), font=font)
         sheet.paste(picture, (x + (tile - picture.width) // 2, y + caption + (tile - picture.height) // 2))
     if not mistakes:
         draw.text((4, caption), "no mistakes", fill=(0, 0, 0), font=font)

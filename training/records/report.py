@@ -20,12 +20,17 @@ from core.command_line import parse_settings
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], sorted by step
 
+def is_lr(name: str) -> bool:
+    """Whether a metric is a learning rate: LearningRateMonitor's tags, named by the model (train/lr/pg1, ...)."""
+    return name.startswith("train/lr/")
+
+
 # (file, title, y label, which metrics) for each plot; a metric goes where its name matches.
 PLOTS = (
     ("loss.png", "Loss", "cross-entropy", lambda name: name.endswith("/loss")),
     ("accuracy.png", "Accuracy", "accuracy",
      lambda name: name.split("/")[-1] in ("acc", "acc_top5", "acc_best", "f1_macro")),
-    ("learning_rate.png", "Learning rate", "lr", lambda name: name.startswith("lr-")),
+    ("learning_rate.png", "Learning rate", "lr", is_lr),
 )
 
 
@@ -104,7 +109,7 @@ def summary(run_dir: Path, series: Series, pngs: list[Path]) -> str:
         lines += ["", f"Rerun: `imgcls fit --config {config_path}`", ""]
     lines += ["## Metrics", "", "| metric | last | best | at step |", "|---|---|---|---|"]
     for name in sorted(series):
-        if name.startswith("lr-") or not series[name] or name in ("epoch", "hp_metric"):
+        if is_lr(name) or not series[name] or name in ("epoch", "hp_metric"):
             continue
         steps, values = zip(*series[name], strict=True)
         pick = min if "loss" in name else max
