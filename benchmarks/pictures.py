@@ -316,7 +316,7 @@ def run(*args: str) -> None:
     """An `imgcls` command from the repository root, its output shown; W&B offline."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     print("+ imgcls " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "training.cli", *args], cwd=ROOT, env=env, check=True)
+    subprocess.run([sys.executable, "-m", "imgcls", *args], cwd=ROOT, env=env, check=True)
 
 
 def train(runs: Path, trials: int) -> tuple[Path, Path]:
