@@ -48,12 +48,12 @@ class _Weights(L.Callback):
         self.seen.append((trainer.global_step, average.detach().clone(), pl_module.net.weight.detach().clone()))
 
 
-def _fit(ema: EMA, epochs: int, *callbacks: L.Callback) -> None:
+def _fit(ema: EMA, epochs: int, *callbacks: L.Callback, module: L.LightningModule | None = None) -> None:
     torch.manual_seed(0)
     x, y = torch.randn(4 * STEPS_PER_EPOCH, 4), torch.arange(4 * STEPS_PER_EPOCH) % 2
     trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[ema, *callbacks])
-    trainer.fit(_Linear(), DataLoader(TensorDataset(x, y), batch_size=4))
+    trainer.fit(module or _Linear(), DataLoader(TensorDataset(x, y), batch_size=4))
 
 
 def test_the_average_copies_the_weights_through_the_warm_up_and_averages_after_it():
@@ -70,6 +70,18 @@ def test_the_average_copies_the_weights_through_the_warm_up_and_averages_after_i
         previous = average
 
 
+def test_without_a_warm_up_the_average_starts_at_the_first_step():
+    ema = EMA(decay=0.5)
+    weights = _Weights(ema)
+    torch.manual_seed(0)
+    _fit(ema, 1, weights, module=_Linear(warmup_epochs=0))
+    assert ema.start_step == 0
+    (_, a0, t0), (_, a1, t1), *_ = weights.seen
+    assert torch.equal(a0, t0)  # the first update starts the average at the weights
+    assert not torch.equal(a1, t1)
+    torch.testing.assert_close(a1, 0.5 * a0 + 0.5 * t1)
+
+
 def test_an_explicit_start_step_and_update_interval_are_obeyed():
     ema = EMA(decay=0.5, update_every_n_steps=2, update_starting_at_step=2)
     weights = _Weights(ema)
@@ -82,14 +94,18 @@ def test_an_explicit_start_step_and_update_interval_are_obeyed():
 
 
 def _lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("EMA:")]
+    """The EMA's messages, each checked to be one line."""
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("EMA:")]
+    assert all("\n" not in line for line in lines), lines
+    return lines
 
 
-def test_a_decay_too_slow_for_the_run_gets_one_line_naming_one_that_fits(caplog):
+@pytest.mark.parametrize("decay", [0.99, 0.9])  # horizons of 100 and 10 steps: 0.9's fits 4.5 times into 45, not 10
+def test_a_decay_too_slow_for_the_run_gets_one_line_naming_one_that_fits(caplog, decay):
     caplog.set_level(logging.INFO)
     epochs = 10
     averaged = (epochs - 1) * STEPS_PER_EPOCH  # after the one-epoch warm-up
-    _fit(EMA(decay=0.99), epochs)
+    _fit(EMA(decay=decay), epochs)
     line, = _lines(caplog)
     suggested = fitting_decay(averaged)
     assert f"averages over {averaged} (from step {STEPS_PER_EPOCH} of {epochs * STEPS_PER_EPOCH})" in line
@@ -121,6 +137,11 @@ def test_the_fitting_decay_fits_and_is_nearly_the_slowest_that_does(steps, every
         return
     assert fits(decay, steps, every)
     assert HORIZONS * horizon(decay, every) > 0.85 * steps  # two significant digits of 1 - decay, rounded down
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_decay_fits_from_ten_horizons_on(every):
+    assert not fits(0.9, HORIZONS * 10 * every - 1, every) and fits(0.9, HORIZONS * 10 * every, every)
 
 
 def test_a_bad_decay_is_refused_naming_the_key():
