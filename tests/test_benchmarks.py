@@ -117,8 +117,12 @@ def test_quick_run_writes_every_section_with_its_table(tmp_path, monkeypatch):
     assert re.search(r"The closing validation of the best checkpoint ran in [01] of 1 default runs", text)
 
     recipe = tables["Recipe ablation"]
-    assert recipe[0] == ["variant", "val/acc (median)", "vs baseline, points", "per seed", "s / epoch (median)"]
+    assert recipe[0] == ["variant", "val/acc (median)", "vs baseline, points", "per seed", "best val/acc (median)",
+                         "train accuracy, last epoch (median)", "s / epoch (median)"]
     assert [r[0] for r in recipe[1:]] == ["all of the above"] and 0 <= float(recipe[1][1].rstrip(" %")) <= 100
+    ema = records["recipe"]["results"]["runs"]["all of the above"][0]["ema"]
+    assert ema["start_step"] == 1 and ema["total_steps"] == 2  # after the warm-up's one step, of the 2 run
+    assert "the network's last feature map is 1x1 at 32 px and 2x2 at 40 px" in text  # why FixRes has no row
 
     distributed = tables["Distributed: gradient compression (CPU, gloo)"]
     assert [r[0] for r in distributed[1:5]] == ["none", "fp16", "bf16", "powersgd"]

@@ -59,8 +59,9 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     `background_writes` uses the production config's writer (AsyncAtomicCheckpointIO) instead of the quickstart's
     synchronous one; with it, a kill right after a step may come before that step's checkpoint is on disk. `recipe`
     turns on mixup and CutMix (torchvision V2's alphas), whose draws a resume must repeat, an EMA of the weights
-    (Lightning's EMAWeightAveraging), whose average a resume must carry on, a backbone frozen for epoch 0,
-    which the kills before and after its thaw must not disturb, the loader's random augmentation (imagenet preset,
+    (training.callbacks.EMA, copying the weights for 4 steps and averaging after them, so that a resume starts on
+    either side), whose average a resume must carry on, a backbone frozen for epoch 0, which the kills before and
+    after its thaw must not disturb, the loader's random augmentation (imagenet preset,
     TrivialAugment, random erasing), which a resume must draw again alike, and one of the recipe's samplers, whose
     position a resume must restore: class-balanced sampling on one process, repeated augmentation on several.
     """
@@ -72,7 +73,8 @@ def _config(tmp_path: Path, data: Path, devices: int = 1, background_writes: boo
     if recipe:
         cfg["model"]["recipe"].update(mixup_alpha=0.2, cutmix_alpha=1.0)
         cfg["freeze"] = {"epochs": 1}  # training.callbacks.FreezeBackbone: thaws at epoch 1
-        callbacks.append({"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging", "init_args": {"decay": 0.9}})
+        callbacks.append({"class_path": "training.callbacks.EMA",
+                          "init_args": {"decay": 0.9, "update_starting_at_step": 4}})
     cfg["data"].update(root=str(data), batch_size=8 // devices, num_workers=0, image_size=32)
     if recipe:  # the loader's random augmentation too: crops and flips, TrivialAugment, erasing
         cfg["data"].update(preset="imagenet", train_transform={

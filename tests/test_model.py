@@ -24,7 +24,7 @@ from lightning_modules.mixing import batch_mix
 from lightning_modules.optim import build_optimizer
 from lightning_modules.schedules import WarmupCosine
 from tests.helpers import make_image_folder
-from training.callbacks import FreezeBackbone
+from training.callbacks import EMA, FreezeBackbone
 from training.resume import LrPlanAcrossResumes
 
 
@@ -524,15 +524,16 @@ class _ValidationWeights(Callback):
 
 
 def test_ema_weights_are_validated_and_saved_the_trained_ones_kept(tmp_path):
-    """Lightning's EMAWeightAveraging in the callbacks: validation runs with the averaged weights, which differ
-    from the trained ones; a checkpoint holds the averaged weights as its state_dict and the trained ones beside."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+    """training.callbacks.EMA (Lightning's WeightAveraging) in the callbacks: validation runs with the averaged
+    weights, which differ from the trained ones; a checkpoint holds the averaged weights as its state_dict and the
+    trained ones beside."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.manual_seed(0)
     x, y = torch.randn(16, 3, 16, 16), torch.arange(16) % 2
     model = ImageClassifier(num_classes=2, net=partial(BackboneWithHead, arch="resnet18", head_hidden=8),
                             batch_size=4, levers=Levers(channels_last=False))
-    ema = EMAWeightAveraging(decay=0.5)
+    ema = EMA(decay=0.5, update_starting_at_step=0)  # averaging from the first step, the warm-up's included
     recorder = _ValidationWeights(ema)
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
