@@ -307,3 +307,15 @@ def make_image_folder(root: Path, classes: dict[str, int], *, splits=("train", "
                 pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i:03d}{ext}")
     return root
+
+
+def wait_until(what: str, ready, timeout: float, show=lambda: "", every: float = 0.2):
+    """Poll `ready()` every `every` seconds until it returns something true, and return that; fail the test after
+    `timeout` seconds with `what` and what `show()` says (the logs of the processes waited on)."""
+    deadline = time.monotonic() + timeout
+    while not (found := ready()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s\n{show()}")
+        time.sleep(every)
+    return found
+

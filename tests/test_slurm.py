@@ -37,6 +37,7 @@ from tests.helpers import (
     max_diff,
     run_cli,
     service_unavailable,
+    wait_until,
 )
 
 SCRIPT = ROOT / "docs" / "examples" / "slurm.sbatch"
@@ -88,15 +89,6 @@ class HoldForSignal(Callback):
         if not received:
             raise RuntimeError(f"rank {trainer.global_rank}: no SIGUSR1 within {self.timeout_s}s of step {self.step}")
 
-
-def _wait(what: str, ready, timeout: float, show=lambda: ""):
-    """Poll `ready()` every half second until it returns something true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (result := ready()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout:.0f}s\n{show()}")
-        time.sleep(0.5)
-    return result
 
 
 def _tail(path: Path, chars: int = 4000) -> str:
@@ -152,7 +144,7 @@ class Cluster:
         self._daemon("munged", "--foreground", f"--key-file={key}", f"--socket={socket_path}",
                      f"--pid-file={self.munge_dir / 'munged.pid'}", f"--seed-file={self.munge_dir / 'munged.seed'}",
                      f"--log-file={self.folder / 'munged.log'}")
-        _wait("munged's socket", socket_path.exists, 20, lambda: _tail(self.folder / "munged.log"))
+        wait_until("munged's socket", socket_path.exists, 20, lambda: _tail(self.folder / "munged.log"))
         host = socket.gethostname().split(".")[0]  # what slurmd calls its node (`hostname -s`)
         for sub in ("state", "spool"):
             (self.folder / sub).mkdir()
@@ -191,8 +183,8 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
         self._daemon("slurmctld", "-D")
         self._daemon("slurmd", "-D")
-        _wait("the node to come up idle", lambda: "State=IDLE" in self.run("scontrol", "show", "node", "-o").stdout,
-              30, self.logs)
+        wait_until("the node to come up idle",
+                   lambda: "State=IDLE" in self.run("scontrol", "show", "node", "-o").stdout, 30, self.logs)
 
     def _daemon(self, name: str, *args: str) -> None:
         log = open(self.folder / f"{name}.out", "ab")
@@ -285,9 +277,9 @@ def test_sbatch_script_preempted_by_scancel_requeues_and_resumes_to_the_uninterr
 
     # Both ranks wait after step HOLD_STEP. scancel without --batch or --full signals the tasks of the job's steps
     # (srun's), not the batch shell: with either option bash dies of SIGUSR1, and the job fails without a requeue.
-    _wait("both ranks at the hold", lambda: len(list(hold.iterdir())) == TASKS, 150, show)
+    wait_until("both ranks at the hold", lambda: len(list(hold.iterdir())) == TASKS, 150, show)
     slurm.run("scancel", "--signal=USR1", job)
-    done = _wait("the requeued job to finish", lambda: (info := slurm.job(job))["JobState"] in TERMINAL and info,
+    done = wait_until("the requeued job to finish", lambda: (info := slurm.job(job))["JobState"] in TERMINAL and info,
                  240, show)
     elapsed = time.monotonic() - start
     out = log.read_text()

@@ -35,6 +35,7 @@ from tests.helpers import (
     resume_config,
     run_cli,
     start_cli,
+    wait_until,
     wandb_offline_env,
     wandb_run_record,
 )
@@ -651,14 +652,6 @@ def test_a_failed_trials_line_says_why_and_a_terminal_shows_a_bar(tmp_path):
     assert "sweep grid2x2" in shown and "2/4" in shown and "━" in shown  # rich's bar and its count
 
 
-def _wait_until(what: str, ready, timeout: float, show):
-    deadline = time.monotonic() + timeout
-    while not (found := ready()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout:.0f} s\n{show()}")
-        time.sleep(0.1)
-    return found
-
 
 @pytest.mark.slow
 def test_a_dead_workers_trial_is_continued_by_its_retry_to_the_same_weights(tmp_path, digits_root):
@@ -692,12 +685,12 @@ def test_a_dead_workers_trial_is_continued_by_its_retry_to_the_same_weights(tmp_
     first = tmp_path / "a" / "trial_0000"
     workers = {"a": start("a")}
     try:
-        _wait_until("a's trial at step 6", (first / "checkpoints" / "step0000006.ckpt").is_file, 300, show)
+        wait_until("a's trial at step 6", (first / "checkpoints" / "step0000006.ckpt").is_file, 300, show)
         os.kill(workers["a"].pid, signal.SIGKILL)
         workers["a"].wait(timeout=30)
         # The trial's process ends as a preempted one does, its worker gone (b starts after it: one writer)
         preempted = first / "checkpoints" / "preempted.ckpt"
-        _wait_until("the trial's preempted.ckpt", lambda: f"SIGTERM received: saved {preempted} at step" in (
+        wait_until("the trial's preempted.ckpt", lambda: f"SIGTERM received: saved {preempted} at step" in (
             first / "fit.log").read_text(), 60, lambda: show() + (first / "fit.log").read_text()[-3000:])
         workers["b"] = start("b")
         assert workers["b"].wait(timeout=300) == 0, show()

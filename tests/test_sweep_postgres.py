@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tests.helpers import (
     run_cli,
     service_unavailable,
     start_cli,
+    wait_until,
     wandb_offline_env,
 )
 from tests.postgres import Unavailable, ensure_installed, throwaway_server
@@ -55,14 +55,6 @@ def _start_worker(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     with open(log, "w") as sink:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 
-
-def _wait_for(what: str, ready, timeout: float, show):
-    deadline = time.monotonic() + timeout
-    while not (found := ready()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout:.0f} s\n{show()}")
-        time.sleep(0.3)
-    return found
 
 
 def _files_holding(secret: str, *paths: Path) -> list[Path]:
@@ -102,18 +94,18 @@ def test_two_workers_share_a_grid_and_a_killed_workers_trial_is_retried_once(tmp
                 if t.user_attrs.get("run_dir", "").startswith(str(roots[name]))]
 
     try:
-        study = _wait_for("the study", lambda: _load(url), 120, show)
-        _wait_for("worker a's first trial", lambda: trials_of("a", TrialState.COMPLETE), 240, show)
+        study = wait_until("the study", lambda: _load(url), 120, show)
+        wait_until("worker a's first trial", lambda: trials_of("a", TrialState.COMPLETE), 240, show)
         workers["b"] = _start_worker([concurrent_python(), "-m", "imgcls", *args("b")], env, logs["b"])
         # Worker a has finished a trial, and the fit of its next one runs (it has written its config.yaml)
         # when it is killed; that trial process dies with it.
-        running = _wait_for("worker a in its second trial",
+        running = wait_until("worker a in its second trial",
                             lambda: trials_of("a", TrialState.COMPLETE) and [
                                 t for t in trials_of("a", TrialState.RUNNING) if _started(t)], 240, show)[0]
         assert workers["a"].poll() is None, show()
         os.kill(workers["a"].pid, signal.SIGKILL)
         workers["a"].wait(timeout=30)
-        _wait_for("worker a's trial process to die with it", lambda: not _live_processes(workers["a"].pid), 30, show)
+        wait_until("worker a's trial process to die with it", lambda: not _live_processes(workers["a"].pid), 30, show)
         # Machine a is gone: its disk is out of b's reach at once (b retries a's trial once its heartbeat is --grace
         # old), and what it wrote is searched for the password.
         gone = roots["a"].rename(tmp_path / "machine_a_gone")
@@ -223,7 +215,7 @@ def test_sweep_dashboard_lists_the_studys_trials(tmp_path, postgres):
                     return json.load(response)["study_summaries"]
             assert proc.poll() is None, log.read_text()
 
-        listed = _wait_for("the dashboard", studies, 60, log.read_text)
+        listed = wait_until("the dashboard", studies, 60, log.read_text)
         study_id = next(s["study_id"] for s in listed if s["study_name"] == "lr_sweep")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies/{study_id}", timeout=10) as response:
             shown = json.load(response)["trials"]
