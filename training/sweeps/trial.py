@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,7 +48,15 @@ def open_storage(url: str, **rdb_options):
 
     if url.startswith(JOURNAL):
         return JournalStorage(JournalFileBackend(str(storage_file(url))))
-    return optuna.storages.RDBStorage(url, **rdb_options)
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, **rdb_options)
+        except Exception as err:
+            # Workers that meet an empty database at one instant each create Optuna's tables, and PostgreSQL refuses
+            # all but one (sqlalchemy's IntegrityError: a duplicate pg_type row); the others find them made.
+            if type(err).__name__ != "IntegrityError" or attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def _die_with_parent() -> None:
